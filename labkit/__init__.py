@@ -1,0 +1,63 @@
+"""labkit: launch, watch and measure the course's distributed PyTorch scripts.
+
+Notebook side (see each name's docstring)::
+
+    import labkit
+    labkit.doctor()
+    run = labkit.launch("scripts/02_ddp.py", nproc=2, args=["--epochs", "2"])
+    run.metrics(); run.throughput()
+    sweep = labkit.sweep("scripts/02_ddp.py", nprocs=[1, 2], repeats=3)
+    labkit.plot_speedup(sweep); labkit.plot_loss([run_a, run_b])
+
+Script side (standard library only)::
+
+    from labkit import metrics
+    metrics.log(step, loss=loss.item(), samples=n)
+
+Names load lazily, so a rank that only imports ``labkit.metrics`` does not pay
+for pandas or matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "launch": "labkit._launch",
+    "default_nproc": "labkit._launch",
+    "sweep": "labkit._sweep",
+    "Sweep": "labkit._sweep",
+    "Run": "labkit._run",
+    "doctor": "labkit._doctor",
+    "Report": "labkit._doctor",
+    "diff": "labkit._diff",
+    "plot_loss": "labkit._plots",
+    "plot_metric": "labkit._plots",
+    "plot_speedup": "labkit._plots",
+    "is_smoke": "labkit._hardware",
+    "LabkitError": "labkit._errors",
+    "LaunchError": "labkit._errors",
+    "LaunchTimeout": "labkit._errors",
+    "ScriptError": "labkit._errors",
+    "NoMetricsError": "labkit._errors",
+    "RankFailure": "labkit._errors",
+}
+_SUBMODULES = {"metrics", "data", "models"}
+
+__all__ = sorted([*_LAZY, *_SUBMODULES])
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"labkit.{name}")
+    raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,170 @@
+"""labkit.doctor: what this machine offers the course, checked, in one table (lesson 00)."""
+
+from __future__ import annotations
+
+import html
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from labkit import _hardware
+
+_REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Check:
+    what: str
+    value: str
+    status: str = "ok"   # "ok", "info" or "warn"
+    advice: str = ""
+
+
+@dataclass
+class Report:
+    """What ``labkit.doctor()`` found. Renders as a table in Jupyter, as text elsewhere.
+
+    Attributes:
+        checks: the rows.
+        device: "cuda" or "cpu", what launches will use.
+        backend: "nccl" or "gloo".
+        nproc: ranks a launch uses by default.
+        gpus: the visible GPUs.
+        dataset: "CIFAR-10" or "synthetic".
+    """
+
+    checks: list[Check] = field(default_factory=list)
+    device: str = "cpu"
+    backend: str = "gloo"
+    nproc: int = 2
+    gpus: list = field(default_factory=list)
+    dataset: str = "synthetic"
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing needs fixing (warnings mean: read the advice)."""
+        return all(c.status != "warn" for c in self.checks)
+
+    def __getitem__(self, what: str) -> Check:
+        for check in self.checks:
+            if check.what == what:
+                return check
+        raise KeyError(what)
+
+    def __str__(self) -> str:
+        width = max(len(c.what) for c in self.checks)
+        mark = {"ok": "✓", "info": "·", "warn": "!"}
+        lines = [f"{mark[c.status]} {c.what:<{width}}  {c.value}"
+                 + (f"\n  {'':<{width}}  → {c.advice}" if c.advice else "") for c in self.checks]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        color = {"ok": "#1a7f37", "info": "#57606a", "warn": "#bc4c00"}
+        rows = "".join(
+            f"<tr><td style='color:{color[c.status]}'>{c.status}</td><td>{html.escape(c.what)}</td>"
+            f"<td style='text-align:left'>{html.escape(c.value)}"
+            + (f"<br><i>{html.escape(c.advice)}</i>" if c.advice else "") + "</td></tr>"
+            for c in self.checks)
+        return ("<table><thead><tr><th></th><th>check</th><th style='text-align:left'>found</th>"
+                f"</tr></thead><tbody>{rows}</tbody></table>")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _topology() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        return subprocess.run([exe, "topo", "-m"], capture_output=True, text=True,
+                              timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def cifar10_on_disk(data_dir: str | os.PathLike = "data") -> bool:
+    """True when torchvision's CIFAR-10 files are in ``data_dir``."""
+    return (Path(data_dir) / "cifar-10-batches-py" / "data_batch_1").is_file()
+
+
+def doctor(data_dir: str | os.PathLike = "data") -> Report:
+    """Check this machine for the course; returns a Report (a table in Jupyter).
+
+    Reports Python, torch, CUDA, NCCL and gloo, the GPUs (and their topology),
+    the CPU cores, whether this kernel runs in the course's environment, the
+    backend and nproc that launches will use, and which data set lessons get.
+    It never creates a CUDA context in this process.
+
+    Example (lesson 00)::
+
+        report = labkit.doctor()
+        report
+    """
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+    import torch.distributed as dist
+
+    from labkit._launch import default_nproc
+
+    report = Report()
+    add = report.checks.append
+    add(Check("Python", f"{sys.version.split()[0]} ({platform.platform(terse=True)})",
+              "ok" if sys.version_info >= (3, 10) else "warn",
+              "" if sys.version_info >= (3, 10) else "the course needs Python 3.10 or newer"))
+    add(Check("PyTorch", torch.__version__))
+    in_venv = Path(sys.prefix).resolve() == (_REPO / ".venv").resolve()
+    installed = _version("labkit") is not None
+    add(Check("course environment", sys.prefix,
+              "ok" if in_venv or installed else "warn",
+              "" if in_venv or installed else
+              "this kernel is not the course's: start JupyterLab with `make lab`, "
+              "or pick the course's kernel"))
+    gpus = _hardware.gpus()
+    report.gpus = gpus
+    cuda_build = torch.version.cuda
+    add(Check("CUDA (build)", cuda_build or "none (CPU-only build)", "info"))
+    if gpus:
+        for g in gpus:
+            add(Check(f"GPU {g.index}", f"{g.name}, {g.memory_mib / 1024:.0f} GiB"))
+        topo = _topology()
+        if topo and len(gpus) > 1:
+            add(Check("GPU topology", topo, "info"))
+    else:
+        add(Check("GPUs", "none visible: lessons run on CPU ranks with gloo", "info"))
+    nccl = dist.is_nccl_available()
+    nccl_text = "available" if nccl else "not in this build"
+    if nccl and gpus:
+        version = torch.cuda.nccl.version()  # reads the library version; no CUDA context
+        nccl_text = "available, " + ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    add(Check("NCCL", nccl_text, "ok" if nccl or not gpus else "warn",
+              "" if nccl or not gpus else "GPUs without NCCL: install a CUDA build of PyTorch"))
+    add(Check("gloo", "available" if dist.is_gloo_available() else "missing",
+              "ok" if dist.is_gloo_available() else "warn"))
+    cores = _hardware.cpu_count()
+    add(Check("CPU cores", f"{cores} usable by this process", "ok" if cores >= 2 else "warn",
+              "" if cores >= 2 else "one core: 2 ranks will share it, so timings mean little"))
+    report.device = "cuda" if gpus else "cpu"
+    report.backend = "nccl" if gpus else "gloo"
+    report.nproc = default_nproc()
+    smoke = " (smoke mode: LABKIT_SMOKE is set)" if _hardware.is_smoke() else ""
+    add(Check("launches will use",
+              f"{report.nproc} rank(s) on {report.device.upper()}, backend {report.backend}{smoke}"))
+    report.dataset = "CIFAR-10" if cifar10_on_disk(data_dir) else "synthetic"
+    if report.dataset == "CIFAR-10":
+        add(Check("data", f"CIFAR-10 found in {Path(data_dir).resolve()}"))
+    else:
+        add(Check("data", "CIFAR-10 not on disk: full runs try to download it, "
+                          "smoke runs and offline machines use the synthetic set", "info"))
+    return report

@@ -1,0 +1,155 @@
+"""Per-rank entry point: ``python -m labkit._entry SCRIPT [ARGS...]``.
+
+labkit.launch asks torchrun to start every rank here instead of in the script
+itself. Before running the script as ``__main__`` (exactly as ``python SCRIPT``
+would) it:
+
+1. records its pid, so that the launcher can kill it if torchrun cannot;
+2. starts a watcher thread that ends the rank, and its DataLoader workers,
+   when torchrun or the launching kernel disappears (a kernel killed with
+   SIGKILL must leave no orphans);
+3. sends stderr to the same file as stdout, so a traceback stays in order
+   with the prints that led to it;
+4. lets the launcher ask for every thread's Python stack with SIGUSR1 (how a
+   timeout names the line a hung rank is stuck on).
+
+An uncaught exception is written, with its traceback, to torchrun's error file
+and to the run folder's ``errors/`` for LaunchError to report.
+
+Standard library only until the script itself runs.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from labkit import _proc, metrics
+
+_POLL_S = 0.5
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def _watch(parent_pid: int, launcher_pid: int | None, launcher_token: str | None) -> None:
+    """End this rank (and its process group) when torchrun or the launcher is gone."""
+    while True:
+        time.sleep(_POLL_S)
+        parent_gone = os.getppid() != parent_pid
+        launcher_gone = launcher_pid is not None and not _proc.is_same_process(
+            launcher_pid, launcher_token
+        )
+        if parent_gone or launcher_gone:
+            metrics.flush()
+            if os.getpgid(0) == os.getpid():
+                os.killpg(os.getpid(), signal.SIGKILL)  # takes DataLoader workers too
+            os._exit(1)
+
+
+def _script_traceback(exc: BaseException, script: str) -> str:
+    """The traceback from the script's first frame on (runpy's frames dropped)."""
+    tb = traceback.TracebackException.from_exception(exc)
+    frames = list(tb.stack)
+    script_abs = os.path.abspath(script)
+    for i, frame in enumerate(frames):
+        if os.path.abspath(frame.filename) == script_abs:
+            tb.stack = traceback.StackSummary.from_list(frames[i:])
+            break
+    return "".join(tb.format())
+
+
+def _record_failure(exc: BaseException, script: str, run_dir: str, rank: int, exit_code: int) -> None:
+    if isinstance(exc, SystemExit):
+        # The script chose to exit (argparse does on a bad option, after printing
+        # why): its own words are in the output, a traceback would only add noise.
+        text = ""
+        message = f"SystemExit: the script exited with code {exc.code}"
+    else:
+        text = _script_traceback(exc, script)
+        message = f"{type(exc).__name__}: {exc}"
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    now = time.time()
+    # torchrun's own format, so its summary shows the real cause too.
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        _write_json(
+            error_file,
+            {"message": {"message": message,
+                         "extraInfo": {"py_callstack": text, "timestamp": str(int(now))}}},
+        )
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    os.makedirs(os.path.join(run_dir, "errors"), exist_ok=True)
+    _write_json(
+        os.path.join(run_dir, "errors", f"rank{rank}-restart{restart}.json"),
+        {"rank": rank, "restart": restart, "pid": os.getpid(), "time": now,
+         "exit_code": exit_code, "type": type(exc).__name__,
+         "message": message.split(": ", 1)[1], "traceback": text},
+    )
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m labkit._entry SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    script = argv[0]
+    run_dir = os.environ.get(metrics.RUN_DIR_ENV, "")
+    rank = int(os.environ.get("RANK", "0"))
+
+    if run_dir:
+        os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
+        pid_dir = os.path.join(run_dir, "pids")
+        os.makedirs(pid_dir, exist_ok=True)
+        _write_json(os.path.join(pid_dir, f"rank{rank}.json"),
+                    {"pid": os.getpid(), "token": _proc.process_token(os.getpid())})
+    launcher_pid = os.environ.get("LABKIT_LAUNCHER_PID")
+    threading.Thread(
+        target=_watch,
+        args=(os.getppid(), int(launcher_pid) if launcher_pid else None,
+              os.environ.get("LABKIT_LAUNCHER_TOKEN") or None),
+        name="labkit-watch",
+        daemon=True,
+    ).start()
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    # Look like `python SCRIPT ARGS`: argv, sys.path[0] and __main__.
+    sys.argv = [script, *argv[1:]]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or code == 0:
+            return 0
+        if not isinstance(code, int):  # sys.exit("message") prints it and exits 1
+            print(code, file=sys.stderr)
+            code = 1
+        if run_dir:
+            _record_failure(exc, script, run_dir, rank, code)
+        return code
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, then re-signalled by the exit code
+        if run_dir:
+            _record_failure(exc, script, run_dir, rank, 1)
+        else:
+            traceback.print_exc()
+        return 1
+    finally:
+        metrics.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,159 @@
+"""labkit's exceptions.
+
+The tree::
+
+    LabkitError                 anything labkit itself reports
+    ├── LaunchError             a rank failed; .failures, root cause first
+    │   └── LaunchTimeout       the run passed its timeout; .last_steps, .stacks
+    ├── ScriptError             the script cannot run at all (a syntax error)
+    └── NoMetricsError          a run logged no metrics, so there is nothing to chart
+
+Bad arguments are reported with Python's own ValueError, TypeError and
+FileNotFoundError, before anything is launched.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "LabkitError",
+    "LaunchError",
+    "LaunchTimeout",
+    "ScriptError",
+    "NoMetricsError",
+    "RankFailure",
+]
+
+# Messages of ranks that died only because a peer vanished: gloo, NCCL and the store.
+_SECONDARY_PATTERNS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|"
+    r"remote process exited|NCCL communicator was aborted|ProcessGroupNCCL.*(abort|timeout)|"
+    r"recvBytes|sendBytes|Socket Timeout|failed to recv|"
+    r"DistStoreError|TCPStore|Timed out waiting",
+    re.IGNORECASE,
+)
+
+
+class LabkitError(Exception):
+    """Base class of every error that labkit raises itself."""
+
+
+class ScriptError(LabkitError):
+    """The script cannot start: labkit found a syntax error before launching."""
+
+
+class NoMetricsError(LabkitError):
+    """A run has no metrics to read: the script never called ``metrics.log``."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank left behind when it failed.
+
+    Attributes:
+        rank: the global rank.
+        exit_code: the rank's exit code, when known.
+        exc_type: the exception's class name, e.g. ``"ValueError"`` ("" if none was recorded).
+        message: the exception's message.
+        traceback: the traceback from the script's first frame ("" if none).
+        output_tail: the last lines the rank printed.
+        time: when the failure was recorded (seconds since the epoch), or None.
+        secondary: True when the rank most likely died only because a peer went away.
+    """
+
+    rank: int
+    exit_code: int | None
+    exc_type: str
+    message: str
+    traceback: str
+    output_tail: str
+    time: float | None
+    secondary: bool
+
+    @staticmethod
+    def looks_secondary(message: str) -> bool:
+        """True if ``message`` is what a rank says when a *peer* disappeared."""
+        return bool(_SECONDARY_PATTERNS.search(message))
+
+    def headline(self, limit: int = 300) -> str:
+        what = f"{self.exc_type}: {self.message}" if self.exc_type else self.message
+        if len(what) > limit:
+            what = what[: limit - 1] + "…"
+        code = f" (exit code {self.exit_code})" if self.exit_code is not None else ""
+        return f"rank {self.rank} failed{code}: {what}"
+
+
+def _tail(text: str, lines: int) -> str:
+    kept = text.rstrip("\n").splitlines()[-lines:]
+    return "\n".join("    " + line for line in kept)
+
+
+class LaunchError(LabkitError):
+    """A rank of a launched run failed.
+
+    Attributes:
+        failures: list of RankFailure, the root cause first.
+        run: the Run (its folder holds every rank's full log).
+        returncode: torchrun's exit code.
+    """
+
+    def __init__(self, summary: str, *, failures=(), run=None, returncode=None, hint=""):
+        self.failures = list(failures)
+        self.run = run
+        self.returncode = returncode
+        self.summary = summary
+        self.hint = hint
+        super().__init__(self._compose())
+
+    @property
+    def root_cause(self) -> RankFailure | None:
+        """The failure to read first (None when no rank recorded one)."""
+        return self.failures[0] if self.failures else None
+
+    def _compose(self) -> str:
+        parts = [self.summary]
+        if self.failures:
+            first = self.failures[0]
+            parts.append(first.headline())
+            if first.traceback:
+                parts.append(_tail(first.traceback, 12))
+            elif first.output_tail:
+                parts.append("  its last output:\n" + _tail(first.output_tail, 8))
+            for other in self.failures[1:]:
+                why = " (most likely because a peer went away)" if other.secondary else ""
+                parts.append(f"also: {other.headline()}{why}")
+        if self.run is not None:
+            parts.append(f"full logs: {self.run.run_dir}")
+        if self.hint:
+            parts.append(f"HINT: {self.hint}")
+        return "\n".join(parts)
+
+
+class LaunchTimeout(LaunchError):
+    """A launched run passed its ``timeout`` and was stopped.
+
+    Attributes:
+        last_steps: {rank: last step it logged, or None}.
+        stacks: {rank: where its main thread was when stopped, e.g. ``"scripts/x.py:12 in <module>"``}.
+    """
+
+    def __init__(self, summary: str, *, last_steps=None, stacks=None, run=None, hint=""):
+        self.last_steps = dict(last_steps or {})
+        self.stacks = dict(stacks or {})
+        super().__init__(summary, run=run, hint=hint)
+
+    def _compose(self) -> str:
+        parts = [self.summary]
+        ranks = sorted(set(self.last_steps) | set(self.stacks))
+        for rank in ranks:
+            step = self.last_steps.get(rank)
+            step_text = f"last logged step {step}" if step is not None else "logged no step"
+            where = self.stacks.get(rank)
+            parts.append(f"  rank {rank}: {step_text}" + (f"; was at {where}" if where else ""))
+        if self.run is not None:
+            parts.append(f"full logs: {self.run.run_dir}")
+        if self.hint:
+            parts.append(f"HINT: {self.hint}")
+        return "\n".join(parts)

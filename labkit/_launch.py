@@ -1,0 +1,366 @@
+"""labkit.launch: run a script on N ranks with torchrun, watch it, clean up after it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from labkit import _hardware, _proc, _supervise
+from labkit._errors import LaunchError, LaunchTimeout, ScriptError
+from labkit._live import LiveView
+from labkit._run import Run
+
+_DEVICES = ("auto", "cpu")
+_POLL_S = 0.05
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated launch: everything needed to start it."""
+
+    script: str
+    nproc: int
+    device: str          # "cuda" or "cpu": what the ranks will use
+    threads_per_rank: int
+    args: tuple
+    timeout: float | None
+    max_restarts: int
+
+
+# -- checks at the door -------------------------------------------------------------
+def check_script(script) -> str:
+    """The script's path if it exists and compiles; FileNotFoundError or ScriptError if not."""
+    if not isinstance(script, (str, os.PathLike)):
+        raise TypeError(f"script must be a path like 'scripts/02_ddp.py', got {type(script).__name__}")
+    path = Path(script)
+    if not path.is_file():
+        where = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(
+            f"script {os.fspath(script)!r} {where} (looked in {Path.cwd()}). "
+            f"HINT: paths are relative to the notebook's folder; run the %%writefile cell first."
+        )
+    source = path.read_bytes()
+    try:
+        compile(source, os.fspath(path), "exec")
+    except SyntaxError as err:
+        line = (err.text or "").rstrip()
+        pointer = f"\n    {line}" if line else ""
+        raise ScriptError(
+            f"{os.fspath(path)}, line {err.lineno}: {err.msg}{pointer}\n"
+            f"HINT: fix the script (nothing was launched)."
+        ) from None
+    return os.fspath(path)
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def resolve_device(device: str) -> str:
+    if device not in _DEVICES:
+        raise ValueError(
+            f"device must be one of {_DEVICES}, got {device!r}. "
+            f"HINT: 'auto' uses the GPUs when there are any; 'cpu' hides them for this run."
+        )
+    if device == "cpu":
+        return "cpu"
+    return "cuda" if _hardware.gpu_count() > 0 else "cpu"
+
+
+def default_nproc(device: str = "auto") -> int:
+    """Ranks a launch uses when nproc is not given: every visible GPU, else 2 CPU ranks.
+
+    Smoke mode (LABKIT_SMOKE=1) caps it at 2.
+    """
+    kind = resolve_device(device)
+    n = _hardware.gpu_count() if kind == "cuda" else 2
+    return min(n, 2) if _hardware.is_smoke() else n
+
+
+def check_nproc(nproc, device: str) -> int:
+    _check_int("nproc", nproc, 1)
+    if device == "cuda":
+        available = _hardware.gpu_count()
+        if nproc > available:
+            raise ValueError(
+                f"nproc={nproc} but only {available} GPU(s) are visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). "
+                f"HINT: nproc={available}, or device='cpu' for CPU ranks."
+            )
+    return nproc
+
+
+def check_args(args) -> tuple:
+    if isinstance(args, (str, bytes)):
+        raise TypeError(
+            f"args must be a list of strings, e.g. ['--epochs', '2'], not one string: {args!r}"
+        )
+    out = []
+    for item in args or ():
+        if isinstance(item, bool) or not isinstance(item, (str, int, float, os.PathLike)):
+            raise TypeError(f"args must hold strings (or numbers), got {item!r} in {list(args)!r}")
+        out.append(os.fspath(item) if isinstance(item, os.PathLike) else str(item))
+    return tuple(out)
+
+
+def plan(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="auto",
+         threads_per_rank=None) -> Plan:
+    """Check every argument of a launch; raise before anything starts."""
+    kind = resolve_device(device)
+    nproc = default_nproc(device) if nproc is None else check_nproc(nproc, kind)
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    _check_int("max_restarts", max_restarts, 0)
+    if threads_per_rank is None:
+        threads_per_rank = max(1, _hardware.cpu_count() // nproc)
+    _check_int("threads_per_rank", threads_per_rank, 1)
+    return Plan(check_script(script), nproc, kind, threads_per_rank, check_args(args),
+                timeout, max_restarts)
+
+
+def make_run_dir(runs_dir, name: str, *, subfolders: bool = True) -> Path:
+    """Create ``runs_dir/<timestamp>-<name>`` (unique even for concurrent launches)."""
+    root = Path(runs_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise PermissionError(f"no write permission on {root}")
+    except OSError as err:
+        raise PermissionError(
+            f"cannot write run folders under {root.resolve()}: {err}. "
+            f"HINT: pass runs_dir= a folder you can write to."
+        ) from None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for attempt in range(1000):
+        suffix = "" if attempt == 0 else f"-{attempt + 1}"
+        run_dir = root / f"{stamp}-{name}{suffix}"
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            continue
+        for sub in ("metrics", "pids", "errors", "torchrun") if subfolders else ():
+            (run_dir / sub).mkdir()
+        return run_dir
+    raise RuntimeError(f"could not create a run folder under {root}")  # pragma: no cover
+
+
+def safe_name(name: str | None, script: str, nproc: int) -> str:
+    if name is None:
+        name = f"{Path(script).stem}-{nproc}"
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name.strip())
+
+
+# -- the command ------------------------------------------------------------------------
+def torchrun_argv(p: Plan, run_dir: Path, run_id: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes=1", f"--nproc-per-node={p.nproc}",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={run_id}",
+        f"--max-restarts={p.max_restarts}",
+        f"--log-dir={run_dir / 'torchrun'}", "--redirects=3",
+        "-m", "labkit._entry", p.script, *p.args,
+    ]
+
+
+def rank_env(p: Plan, run_dir: Path, extra: dict | None) -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(p.threads_per_rank)
+    env["LABKIT_RUN_DIR"] = str(run_dir.resolve())
+    env["LABKIT_LAUNCHER_PID"] = str(os.getpid())
+    env["LABKIT_LAUNCHER_TOKEN"] = _proc.process_token(os.getpid()) or ""
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(
+        [_PACKAGE_PARENT] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+    loopback = _hardware.loopback_interface()
+    if loopback and "GLOO_SOCKET_IFNAME" not in env:
+        env["GLOO_SOCKET_IFNAME"] = loopback  # single machine: gloo talks over loopback only
+    if p.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if env.get("MPLBACKEND", "").startswith("module://"):
+        del env["MPLBACKEND"]  # the kernel's inline backend means nothing to a rank
+    for key, value in (extra or {}).items():
+        env[str(key)] = str(value)
+    return env
+
+
+def _versions() -> dict:
+    found = {"python": sys.version.split()[0]}
+    for package in ("torch", "labkit"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+# -- launch ------------------------------------------------------------------------------
+def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="auto",
+           name=None, threads_per_rank=None, env=None, runs_dir="runs", quiet=False) -> Run:
+    """Run ``script`` on ``nproc`` ranks with torchrun; stream every rank's output here.
+
+    Args:
+        script: path to the script, relative to the notebook's folder.
+        nproc: ranks (default: every visible GPU, else 2 CPU ranks; 2 at most in smoke mode).
+        args: the script's command-line arguments, a list of strings.
+        timeout: seconds before the run is stopped (None: no limit).
+        max_restarts: how many times torchrun restarts the workers after a failure.
+        device: "auto" (GPUs when present, else CPU) or "cpu" (hide the GPUs).
+        name: the run's label in charts and in its folder name.
+        threads_per_rank: OMP_NUM_THREADS of each rank (default: CPU cores // nproc).
+        env: extra environment variables for the ranks, e.g. {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}.
+        runs_dir: where run folders go.
+        quiet: do not print rank output or draw the live chart (sweeps use it).
+
+    Returns:
+        the finished Run.
+
+    Raises:
+        FileNotFoundError, ScriptError, ValueError, TypeError, PermissionError:
+            bad input, before anything is launched.
+        LaunchError: a rank failed (root cause first, with its traceback).
+        LaunchTimeout: the run passed ``timeout``; says where each rank was.
+        KeyboardInterrupt: you interrupted it; every rank has been stopped.
+
+    Example (lesson 02)::
+
+        run = labkit.launch("scripts/02_ddp.py", nproc=2, args=["--epochs", "2"])
+    """
+    p = plan(script, nproc=nproc, args=args, timeout=timeout, max_restarts=max_restarts,
+             device=device, threads_per_rank=threads_per_rank)
+    if env is not None and not isinstance(env, dict):
+        raise TypeError(f"env must be a dict of strings, got {type(env).__name__}")
+    name = safe_name(name, p.script, p.nproc)
+    run_dir = make_run_dir(runs_dir, name)
+    run_id = uuid.uuid4().hex[:12]
+    argv = torchrun_argv(p, run_dir, run_id)
+    rank_environment = rank_env(p, run_dir, env)
+
+    def emit(line: str) -> None:
+        if not quiet:
+            print(line)
+
+    run = Run(run_dir, {
+        "name": name, "script": p.script, "args": list(p.args), "nproc": p.nproc,
+        "device": p.device, "backend": "nccl" if p.device == "cuda" else "gloo",
+        "threads_per_rank": p.threads_per_rank, "max_restarts": p.max_restarts,
+        "timeout": p.timeout, "run_id": run_id, "command": shlex.join(argv), "argv": argv,
+        "cwd": os.getcwd(), "smoke": _hardware.is_smoke(),
+        "env": {k: rank_environment[k] for k in sorted(rank_environment)
+                if k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME",
+                         "LABKIT_SMOKE", *(env or {}))},
+        "versions": _versions(), "git_commit": _git_commit(),
+        "hardware": {"cpu_count": _hardware.cpu_count(), "platform": sys.platform,
+                     "gpus": [g.__dict__ for g in _hardware.gpus()]},
+        "status": "running",
+    })
+    emit(f"$ {run.command}")
+    emit(f"  (from a terminal: torchrun --standalone --nproc-per-node={p.nproc} "
+         f"{shlex.join([p.script, *p.args])})")
+    if p.device == "cpu" and p.nproc * p.threads_per_rank > _hardware.cpu_count():
+        emit(f"note: {p.nproc} ranks × {p.threads_per_rank} thread(s) on "
+             f"{_hardware.cpu_count()} cores: ranks share cores, so timings understate speedup.")
+
+    live = LiveView(run_dir, name, p.nproc, enabled=not quiet)
+    streams = _supervise.Streams(run_dir, emit)
+    log = open(run_dir / "torchrun.log", "wb")
+    start = time.monotonic()
+    run.info["start_time"] = time.time()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            env=rank_environment, start_new_session=True)
+    run.info["torchrun_pid"] = proc.pid
+    run.save_info()
+    status, stacks = "running", {}
+    try:
+        deadline = None if p.timeout is None else start + p.timeout
+        while proc.poll() is None:
+            streams.poll()
+            live.update()
+            if deadline is not None and time.monotonic() > deadline:
+                status = "timeout"
+                marks = _supervise.request_stacks(run_dir, streams)
+                time.sleep(1.0)  # let faulthandler write the stacks
+                streams.poll()
+                stacks = _supervise.read_stacks(marks, p.script)
+                break
+            time.sleep(_POLL_S)
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        _supervise.stop(proc, run_dir)
+        log.close()
+        streams.finish()
+        sys.stdout.flush()
+        if status == "running":
+            status = "ok" if proc.returncode == 0 else "failed"
+        run.info.update(status=status, returncode=proc.returncode, end_time=time.time(),
+                        wall_s=round(time.monotonic() - start, 3))
+        run.save_info()
+        live.finish(status)
+    return _conclude(run, streams, stacks, emit)
+
+
+def _conclude(run: Run, streams, stacks: dict, emit) -> Run:
+    """Report the outcome: a summary line, or the error that explains the failure."""
+    if run.status == "timeout":
+        last_steps = {rank: None for rank in range(run.nproc)}
+        try:
+            df = run.metrics()
+            last_steps.update(df.groupby("rank")["step"].max().to_dict())
+        except Exception:  # noqa: BLE001 - no metrics is a fine answer here
+            pass
+        raise LaunchTimeout(
+            f"run '{run.name}' passed its timeout of {run.info['timeout']} s and was stopped.",
+            last_steps=last_steps, stacks=stacks, run=run,
+            hint="a rank that logged fewer steps than the others, or waits in a collective "
+                 "the others never reach, is the one to read first.",
+        )
+    failures, restarts = _supervise.collect_failures(run.run_dir, streams)
+    if run.status == "ok":
+        if restarts:
+            emit(f"note: torchrun restarted the workers {restarts} time(s); the run then finished.")
+        emit(f"✓ {run.name}: {run.nproc} rank(s), {run.wall_s:.1f} s, exit code 0 — {run.run_dir}")
+        return run
+    if failures:
+        first = failures[0]
+        if first.exc_type == "SystemExit":
+            hint = "the script exited on purpose; its last output (above) says why."
+        elif first.exc_type:
+            hint = (f"read rank {first.rank}'s traceback above: it is the root cause"
+                    + ("; the other ranks stopped because it went away." if len(failures) > 1 else ".")
+                    + " A rank's whole output: run.output(rank).")
+        else:
+            hint = ("no Python exception was recorded: a rank killed by a signal is often out of "
+                    "memory (dmesg says), or was stopped from outside.")
+    else:
+        hint = f"no rank recorded an error; torchrun's own log is {run.run_dir / 'torchrun.log'}."
+    restarted = f" after {restarts} restart(s)" if restarts else ""
+    raise LaunchError(
+        f"run '{run.name}' failed{restarted}: torchrun exited with code {run.returncode}.",
+        failures=failures, run=run, returncode=run.returncode, hint=hint,
+    )

@@ -1,0 +1,151 @@
+"""Charts of runs and sweeps: loss (or any logged metric) curves, speedup against the ideal."""
+
+from __future__ import annotations
+
+from labkit._errors import NoMetricsError
+
+_X_LABELS = {
+    "step": "optimiser step",
+    "samples": "samples seen (all ranks)",
+    "time": "seconds since launch",
+}
+
+
+def metric_curve(df, *, x: str, y: str, start_time: float | None = None):
+    """One curve from a metrics DataFrame: the mean of ``y`` over ranks at each logged step.
+
+    Returns a DataFrame with columns ``x``, ``y``, ``restart``, in logging order.
+    """
+    if x not in _X_LABELS:
+        raise ValueError(f"x must be one of {sorted(_X_LABELS)}, got {x!r}")
+    if y not in df.columns:
+        raise NoMetricsError(
+            f"run '{df.attrs.get('run', '?')}' logged no {y!r} (it logged: "
+            f"{', '.join(c for c in df.columns if c not in ('rank', 'time', 'world_size'))})."
+        )
+    df = df.sort_values("time", kind="stable").copy()
+    if x == "samples":
+        if "samples" not in df.columns:
+            raise NoMetricsError(f"run '{df.attrs.get('run', '?')}' logged no 'samples'.")
+        df["_x"] = df["samples"].fillna(0).cumsum()
+    elif x == "time":
+        origin = start_time if start_time is not None else df["time"].min()
+        df["_x"] = df["time"] - origin
+    else:
+        df["_x"] = df["step"]
+    df = df[df[y].notna()]
+    curve = df.groupby(["restart", "step"], sort=False).agg(
+        x=("_x", "max"), y=(y, "mean")).reset_index()
+    return curve[["x", "y", "restart"]]
+
+
+def draw_curve(ax, curve, *, label: str, color=None, mark_restarts: bool = True):
+    """Draw a curve from ``metric_curve``; a dashed line marks each torchrun restart."""
+    line, = ax.plot(curve["x"], curve["y"], label=label, color=color, lw=1.6)
+    if mark_restarts:
+        for restart in sorted(set(curve["restart"]) - {0}):
+            first_x = curve.loc[curve["restart"] == restart, "x"].iloc[0]
+            ax.axvline(first_x, color=line.get_color(), ls="--", lw=1, alpha=0.7)
+            ax.annotate(f"restart {restart}", (first_x, 1), xycoords=("data", "axes fraction"),
+                        xytext=(3, -12), textcoords="offset points", fontsize=8,
+                        color=line.get_color())
+    return line
+
+
+def _as_runs(runs):
+    if hasattr(runs, "metrics"):
+        return [runs]
+    runs = list(runs)
+    if not runs:
+        raise ValueError("plot needs at least one run, got an empty list")
+    return runs
+
+
+def plot_metric(runs, y: str, *, x: str = "step", ax=None, title: str | None = None,
+                logy: bool = False):
+    """Plot a logged metric of one or more runs, one line per run (mean over ranks).
+
+    Args:
+        runs: a Run or a list of Runs.
+        y: the logged name, e.g. ``"loss"`` or ``"test_acc"``.
+        x: ``"step"``, ``"samples"`` (all ranks together) or ``"time"`` (seconds since launch).
+        ax: a matplotlib Axes to draw on (default: a new figure).
+
+    Returns:
+        the matplotlib Axes.
+
+    Example (lesson 02)::
+
+        labkit.plot_metric([single, ddp], "loss", x="samples")
+    """
+    import matplotlib.pyplot as plt
+
+    runs = _as_runs(runs)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.8))
+    for run in runs:
+        curve = metric_curve(run.metrics(), x=x, y=y, start_time=run.start_time)
+        draw_curve(ax, curve, label=run.name)
+    ax.set_xlabel(_X_LABELS[x])
+    ax.set_ylabel(y)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+def plot_loss(runs, *, x: str = "step", ax=None, title: str | None = None):
+    """Plot the training loss of one or more runs (``plot_metric`` with ``y="loss"``).
+
+    Example (lesson 02)::
+
+        labkit.plot_loss([single_run, ddp_run], x="samples")
+    """
+    return plot_metric(runs, "loss", x=x, ax=ax, title=title)
+
+
+def plot_speedup(sweep, *, ax=None, title: str | None = None):
+    """Measured speedup against the ideal line, efficiency on a second axis.
+
+    The bars on each point span the fastest and the slowest repeat. The caption
+    under the chart says the hardware, backend and threads or devices per rank.
+
+    Returns:
+        the speedup Axes (the efficiency Axes is ``ax.efficiency_ax``).
+
+    Example (lesson 02)::
+
+        sweep = labkit.sweep("scripts/02_ddp.py", nprocs=[1, 2], repeats=3)
+        labkit.plot_speedup(sweep)
+    """
+    import matplotlib.pyplot as plt
+
+    table = sweep.table()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    base = table["samples_per_s"].iloc[0]
+    n = table["nproc"]
+    ideal = n / n.iloc[0]
+    low = table["speedup"] - table["samples_per_s_min"] / base
+    high = table["samples_per_s_max"] / base - table["speedup"]
+    ax.plot(n, ideal, "k--", lw=1, label="ideal (linear)")
+    ax.errorbar(n, table["speedup"], yerr=[low, high], fmt="o-", capsize=4, lw=2,
+                label="measured (median, min–max)")
+    ax.set_xlabel("ranks (nproc)")
+    ax.set_ylabel("speedup")
+    ax.set_xticks(list(n))
+    ax.grid(alpha=0.3)
+    eff = ax.twinx()
+    eff.plot(n, table["efficiency"] * 100, "s:", color="tab:green", label="efficiency")
+    eff.set_ylabel("efficiency (%)", color="tab:green")
+    eff.set_ylim(0, 110)
+    lines = ax.get_legend_handles_labels()
+    more = eff.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper left")
+    ax.set_title(title or f"Speedup of {sweep.name}")
+    ax.figure.text(0.01, -0.02, sweep.caption, fontsize=8, ha="left", va="top")
+    ax.efficiency_ax = eff
+    return ax

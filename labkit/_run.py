@@ -1,0 +1,167 @@
+"""A run: one launch's folder, and what can be read from it."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+
+from labkit._errors import LabkitError, NoMetricsError
+from labkit._tail import LineTail, parse_records
+
+#: Columns labkit stamps on every metrics line.
+STAMP_COLUMNS = ["rank", "step", "time", "restart", "world_size"]
+
+
+def rank_log_paths(run_dir: Path, rank: int) -> list[Path]:
+    """The rank's stdout files, one per torchrun attempt, oldest first."""
+    pattern = os.path.join(run_dir, "torchrun", "*", "attempt_*", str(rank), "stdout.log")
+    return sorted((Path(p) for p in glob.glob(pattern)),
+                  key=lambda p: int(p.parent.parent.name.split("_")[1]))
+
+
+class Run:
+    """One launch of a script: its settings, outcome and run folder.
+
+    Made by ``labkit.launch`` (lesson 00 on) or reloaded with ``Run.load``.
+
+    Attributes:
+        name: the label used in charts.
+        run_dir: the run folder (``runs/<timestamp>-<name>``).
+        command: the exact torchrun command, as a shell line.
+        nproc: ranks per run.
+        returncode: torchrun's exit code (None while running).
+        wall_s: wall-clock seconds from launch to the end of the last rank.
+        info: everything ``run.json`` holds.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, info: dict):
+        self.run_dir = Path(run_dir)
+        self.info = info
+
+    # -- what run.json says ---------------------------------------------------------
+    name = property(lambda self: self.info["name"])
+    command = property(lambda self: self.info["command"])
+    nproc = property(lambda self: self.info["nproc"])
+    args = property(lambda self: list(self.info.get("args", [])))
+    returncode = property(lambda self: self.info.get("returncode"))
+    wall_s = property(lambda self: self.info.get("wall_s"))
+    status = property(lambda self: self.info.get("status", "unknown"))
+    start_time = property(lambda self: self.info.get("start_time"))
+
+    @property
+    def caption(self) -> str:
+        """Hardware, backend and threads or devices per rank, for chart captions."""
+        hw = self.info.get("hardware", {})
+        if self.info.get("device") == "cuda":
+            gpus = hw.get("gpus") or [{}]
+            return (f"{self.nproc} × {gpus[0].get('name', 'GPU')}, NCCL, one GPU per rank")
+        return (f"{self.nproc} CPU rank(s) × {self.info.get('threads_per_rank')} thread(s), gloo, "
+                f"on {hw.get('cpu_count', '?')} cores")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Run":
+        """Reload a finished run from its folder (reference runs, instructors, lesson charts).
+
+        Raises:
+            FileNotFoundError: ``path`` is not a run folder (no run.json in it).
+        """
+        run_dir = Path(path)
+        meta = run_dir / "run.json"
+        if not meta.is_file():
+            raise FileNotFoundError(
+                f"{run_dir} is not a run folder: it has no run.json. "
+                f"HINT: pass a folder under runs/, e.g. the one printed by labkit.launch."
+            )
+        return cls(run_dir, json.loads(meta.read_text()))
+
+    def save_info(self) -> None:
+        """Write run.json atomically (the launcher calls this at start and end)."""
+        tmp = self.run_dir / "run.json.tmp"
+        tmp.write_text(json.dumps(self.info, indent=2, default=str))
+        os.replace(tmp, self.run_dir / "run.json")
+
+    # -- what the ranks left ----------------------------------------------------------
+    def metrics(self):
+        """Every metrics line of every rank, as a pandas DataFrame.
+
+        One row per ``metrics.log`` call: ``rank``, ``step``, ``time``, ``restart``,
+        ``world_size`` and whatever the script logged. A torn last line (a rank
+        killed mid-write) is skipped; ``df.attrs["skipped_lines"]`` counts them.
+
+        Raises:
+            NoMetricsError: the script logged nothing.
+        """
+        import pandas as pd
+
+        records, skipped = [], 0
+        for path in sorted((self.run_dir / "metrics").glob("rank*.jsonl")):
+            tail = LineTail(path)
+            lines = tail.new_lines()
+            found, bad = parse_records(lines)
+            records += found
+            skipped += bad + (1 if tail.rest().strip() else 0)
+        if not records:
+            raise NoMetricsError(
+                f"run '{self.name}' logged no metrics ({self.run_dir / 'metrics'} is empty). "
+                f"HINT: call `metrics.log(step, loss=...)` from the script (from labkit import metrics)."
+            )
+        df = pd.DataFrame.from_records(records)
+        df = df.sort_values(["restart", "rank", "time"], kind="stable").reset_index(drop=True)
+        df.attrs["skipped_lines"] = skipped
+        df.attrs["run"] = self.name
+        return df
+
+    def throughput(self, *, warmup_windows: int = 1) -> float:
+        """Steady-state samples/s of the whole run, from the ``samples`` it logged.
+
+        A window is the stretch between two consecutive log lines of a rank. The
+        first window of each rank (it holds start-up) and ``warmup_windows`` more are
+        dropped; each rank's median window rate is taken; the ranks' rates are added
+        (with a DistributedSampler each rank sees different samples).
+
+        Raises:
+            NoMetricsError: nothing logged, or no ``samples`` column.
+            LabkitError: too few windows left after the warm-up.
+        """
+        return steady_throughput(self.metrics(), warmup_windows=warmup_windows, name=self.name)
+
+    def output(self, rank: int = 0) -> str:
+        """Everything ``rank`` printed, over all restarts."""
+        return "".join(p.read_text(errors="replace") for p in rank_log_paths(self.run_dir, rank))
+
+    def __repr__(self) -> str:
+        wall = f"{self.wall_s:.1f} s" if isinstance(self.wall_s, (int, float)) else "?"
+        return (f"Run({self.name!r}, nproc={self.nproc}, status={self.status}, "
+                f"returncode={self.returncode}, wall={wall}, run_dir='{self.run_dir}')")
+
+
+def steady_throughput(df, *, warmup_windows: int = 1, name: str = "run") -> float:
+    """Steady-state samples/s from a metrics DataFrame (see ``Run.throughput``)."""
+    if warmup_windows < 0:
+        raise ValueError(f"warmup_windows must be >= 0, got {warmup_windows}")
+    if "samples" not in df.columns:
+        raise NoMetricsError(
+            f"run '{name}' logged no 'samples', so its throughput is unknown. "
+            f"HINT: metrics.log(step, ..., samples=<samples since the previous log call>)."
+        )
+    df = df[df["samples"].notna()]  # lines such as test accuracy carry no samples
+    total = 0.0
+    for rank, by_rank in df.groupby("rank"):
+        rates = []
+        for _, part in by_rank.groupby("restart"):
+            part = part.sort_values("time")
+            dt = part["time"].diff().to_numpy()[1:]
+            samples = part["samples"].to_numpy()[1:]
+            window_rates = [s / d for s, d in zip(samples, dt) if d > 0]
+            rates += window_rates[warmup_windows:]
+        if not rates:
+            raise LabkitError(
+                f"run '{name}': rank {rank} has no steady-state window left after dropping "
+                f"{warmup_windows + 1} warm-up window(s). HINT: log more often or run more steps."
+            )
+        rates.sort()
+        mid = len(rates) // 2
+        total += rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+    return total

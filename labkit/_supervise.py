@@ -1,0 +1,252 @@
+"""Watching a launched run: stream rank output, stop it cleanly, explain failures."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+from labkit import _proc
+from labkit._errors import RankFailure
+from labkit._tail import LineTail as _LineTail
+
+_ATTEMPT_RE = re.compile(r"attempt_(\d+)[/\\](\d+)[/\\]stdout\.log$")
+# torchrun's own line for a worker that died without a Python exception (a signal, say).
+_TORCHRUN_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+_FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
+# torchrun logs like glog: "W1122 04:01:27.719000 2582 path/api.py:753] message".
+_GLOG_RE = re.compile(r"^([IWEF])\d{4} [\d:.]+ +\d+ \S+:\d+\] (.*)$")
+_GLOG_LEVEL = {"I": "", "W": "warning: ", "E": "error: ", "F": "fatal: "}
+_TORCHRUN_NOISE = ("no error file defined for parent",)
+_THREAD_RE = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*most recent call first")
+
+
+class Streams:
+    """Follows every rank's output (across torchrun restarts) and torchrun's own log.
+
+    ``poll()`` hands each new complete line to ``emit`` with a ``[rankN]`` prefix.
+    It runs in the caller's thread: under nbmake only output printed by the
+    kernel's main thread reaches the notebook.
+    """
+
+    def __init__(self, run_dir: Path, emit, *, show_torchrun: bool = True):
+        self.run_dir = Path(run_dir)
+        self.emit = emit
+        self.show_torchrun = show_torchrun
+        self._tails: dict[str, tuple[int, int, object]] = {}
+        self._torchrun = _LineTail(self.run_dir / "torchrun.log")
+        self._torchrun_quiet = False
+        self._attempts: set[int] = {0}
+        self.recent: dict[int, deque] = {}
+
+    def _discover(self) -> None:
+        pattern = os.path.join(self.run_dir, "torchrun", "*", "attempt_*", "*", "stdout.log")
+        for path in sorted(glob.glob(pattern)):
+            if path in self._tails:
+                continue
+            match = _ATTEMPT_RE.search(path)
+            if not match:
+                continue
+            attempt, rank = int(match.group(1)), int(match.group(2))
+            if attempt not in self._attempts:
+                self._attempts.add(attempt)
+                self.emit(f"── torchrun restarted the workers (restart {attempt}) ──")
+            self._tails[path] = (rank, attempt, _LineTail(path))
+
+    def poll(self) -> None:
+        self._discover()
+        for rank, _attempt, tail in sorted(self._tails.values(), key=lambda t: (t[1], t[0])):
+            for line in tail.new_lines():
+                self._line(rank, line)
+        for line in self._torchrun.new_lines():
+            self._torchrun_line(line)
+
+    def finish(self) -> None:
+        """Read what is left, including unfinished last lines."""
+        self.poll()
+        for rank, _attempt, tail in self._tails.values():
+            rest = tail.rest()
+            if rest:
+                self._line(rank, rest)
+        rest = self._torchrun.rest()
+        if rest:
+            self._torchrun_line(rest)
+
+    def _line(self, rank: int, line: str) -> None:
+        self.recent.setdefault(rank, deque(maxlen=40)).append(line)
+        self.emit(f"[rank{rank}] {line}")
+
+    def _torchrun_line(self, line: str) -> None:
+        # torchrun ends a failed run with its own traceback and a summary box;
+        # LaunchError says the same more plainly, so the rest stays in torchrun.log.
+        if line.startswith("Traceback (most recent call last)"):
+            self._torchrun_quiet = True
+        if not self.show_torchrun or self._torchrun_quiet or not line.strip():
+            return
+        match = _GLOG_RE.match(line)
+        if match:
+            line = _GLOG_LEVEL[match.group(1)] + match.group(2)
+        if not any(noise in line for noise in _TORCHRUN_NOISE):
+            self.emit(f"[torchrun] {line}")
+
+    def log_size(self, rank: int) -> tuple[str, int] | None:
+        """(path, size) of the rank's newest log, to read what it prints from now on."""
+        newest = None
+        for path, (r, attempt, _tail) in self._tails.items():
+            if r == rank and (newest is None or attempt > newest[1]):
+                newest = (path, attempt)
+        if newest is None:
+            return None
+        return newest[0], os.path.getsize(newest[0])
+
+
+# -- pids, stopping ----------------------------------------------------------------------
+def recorded_ranks(run_dir: Path) -> dict[int, tuple[int, str | None]]:
+    """{rank: (pid, token)} as each rank's entry point recorded it (latest attempt)."""
+    found = {}
+    for path in Path(run_dir, "pids").glob("rank*.json"):
+        try:
+            data = json.loads(path.read_text())
+            found[int(path.stem[4:])] = (int(data["pid"]), data.get("token"))
+        except (ValueError, KeyError, OSError):
+            continue
+    return found
+
+
+def live_ranks(run_dir: Path) -> dict[int, int]:
+    """{rank: pid} of recorded ranks that still run."""
+    return {rank: pid for rank, (pid, token) in recorded_ranks(run_dir).items()
+            if _proc.is_same_process(pid, token)}
+
+
+def stop(proc: subprocess.Popen, run_dir: Path, *, grace_s: float = 3.0) -> None:
+    """End torchrun and every rank: SIGTERM, a grace period, then SIGKILL by recorded pid."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5.0
+    while True:
+        alive = live_ranks(run_dir)
+        if not alive:
+            return
+        for pid in alive.values():
+            _proc.kill_tree(pid, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            print(f"labkit: could not stop pids {sorted(alive.values())}", file=sys.stderr)
+            return
+        time.sleep(0.05)
+
+
+# -- where a hung rank is ------------------------------------------------------------------
+def request_stacks(run_dir: Path, streams: Streams) -> dict[int, tuple[str, int]]:
+    """Ask every live rank to print its Python stacks (SIGUSR1 → faulthandler).
+
+    Returns {rank: (log path, offset)}: the dump is what the log holds after offset.
+    """
+    marks = {}
+    if not hasattr(signal, "SIGUSR1"):
+        return marks
+    for rank, pid in live_ranks(run_dir).items():
+        mark = streams.log_size(rank)
+        if mark is None:
+            continue
+        try:
+            os.kill(pid, signal.SIGUSR1)
+            marks[rank] = mark
+        except ProcessLookupError:
+            pass
+    return marks
+
+
+def parse_stack(text: str, script: str) -> str | None:
+    """'scripts/x.py:12 in <module>, inside all_reduce' from a faulthandler dump."""
+    script_abs = os.path.abspath(script)
+    best = None
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", text):
+        lines = block.strip().splitlines()
+        if not lines or not _THREAD_RE.match(lines[0].strip()):
+            continue
+        frames = [m.groupdict() for m in map(_FRAME_RE.match, lines[1:]) if m]
+        mine = [f for f in frames if os.path.abspath(f["file"]) == script_abs]
+        if not mine:
+            continue
+        where = f"{script}:{mine[0]['line']} in {mine[0]['func'].strip()}"
+        if frames[0] is not mine[0]:
+            where += f", inside {frames[0]['func'].strip()} ({os.path.basename(frames[0]['file'])})"
+        best = where
+        if lines[0].startswith("Current thread"):
+            break
+    return best
+
+
+def read_stacks(marks: dict[int, tuple[str, int]], script: str) -> dict[int, str]:
+    stacks = {}
+    for rank, (path, offset) in marks.items():
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            continue
+        where = parse_stack(text, script)
+        if where:
+            stacks[rank] = where
+    return stacks
+
+
+# -- what failed -----------------------------------------------------------------------
+def collect_failures(run_dir: Path, streams: Streams) -> tuple[list[RankFailure], int]:
+    """The failures of the last attempt, root cause first, and how many restarts happened."""
+    records = []
+    for path in Path(run_dir, "errors").glob("rank*-restart*.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (ValueError, OSError):
+            continue
+    torchrun_log = Path(run_dir, "torchrun.log")
+    text = torchrun_log.read_text(errors="replace") if torchrun_log.exists() else ""
+    signalled = {int(rank): int(code) for code, rank in _TORCHRUN_FAILED_RE.findall(text)}
+    last_restart = max([r["restart"] for r in records] + [max(streams._attempts)])
+    failures = []
+    for rec in records:
+        if rec["restart"] != last_restart:
+            continue
+        rank = rec["rank"]
+        failures.append(RankFailure(
+            rank=rank, exit_code=rec.get("exit_code"), exc_type=rec["type"],
+            message=rec["message"], traceback=rec["traceback"],
+            output_tail="\n".join(streams.recent.get(rank, ())), time=rec["time"],
+            secondary=RankFailure.looks_secondary(rec["message"] + rec["traceback"]),
+        ))
+    recorded = {f.rank for f in failures}
+    for rank, code in signalled.items():
+        if rank in recorded:
+            continue
+        if code < 0:
+            try:
+                what = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                what = f"killed by signal {-code}"
+            secondary = -code in (signal.SIGTERM, signal.SIGINT)
+        else:
+            what, secondary = f"exited with code {code} without a Python exception", False
+        failures.append(RankFailure(
+            rank=rank, exit_code=code, exc_type="", message=what, traceback="",
+            output_tail="\n".join(streams.recent.get(rank, ())), time=None,
+            secondary=secondary,
+        ))
+    failures.sort(key=lambda f: (f.secondary, f.exc_type == "", f.time or float("inf"), f.rank))
+    return failures, last_restart

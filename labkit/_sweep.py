@@ -1,0 +1,150 @@
+"""labkit.sweep: the same script at several world sizes, repeated, side by side."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+from labkit import _hardware
+from labkit._launch import check_nproc, launch, make_run_dir, plan, resolve_device, safe_name
+from labkit._live import in_notebook
+from labkit._run import Run
+
+
+class Sweep:
+    """Runs of one script at several ``nproc``, with repeats.
+
+    Attributes:
+        name: the sweep's label.
+        runs: every Run, in the order they ran.
+        sweep_dir: the folder holding the runs and ``sweep.json``.
+        threads_per_rank: OMP_NUM_THREADS of every rank of every run.
+    """
+
+    def __init__(self, sweep_dir: Path, info: dict, runs: list[Run]):
+        self.sweep_dir = Path(sweep_dir)
+        self.info = info
+        self.runs = runs
+
+    name = property(lambda self: self.info["name"])
+    threads_per_rank = property(lambda self: self.info["threads_per_rank"])
+
+    @property
+    def caption(self) -> str:
+        hw = self.info["hardware"]
+        if self.info["device"] == "cuda":
+            gpus = hw.get("gpus") or [{}]
+            per = f"one {gpus[0].get('name', 'GPU')} per rank, NCCL"
+        else:
+            per = (f"{self.threads_per_rank} CPU thread(s) per rank (held fixed, so each rank adds "
+                   f"cores), gloo, on {hw['cpu_count']} cores")
+        return f"{self.info['repeats']} repeat(s) per point; {per}."
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Sweep":
+        """Reload a sweep from its folder (``sweep.json`` plus one folder per run)."""
+        sweep_dir = Path(path)
+        meta = sweep_dir / "sweep.json"
+        if not meta.is_file():
+            raise FileNotFoundError(f"{sweep_dir} is not a sweep folder: it has no sweep.json.")
+        info = json.loads(meta.read_text())
+        return cls(sweep_dir, info, [Run.load(sweep_dir / d) for d in info["runs"]])
+
+    def table(self):
+        """nproc, samples/s (median, min, max over repeats), speedup and efficiency.
+
+        Speedup is the median samples/s over that of the smallest nproc; efficiency
+        is speedup over the ideal (nproc / smallest nproc).
+        """
+        import pandas as pd
+
+        by_nproc: dict[int, list[float]] = {}
+        for run in self.runs:
+            by_nproc.setdefault(run.nproc, []).append(run.throughput())
+        rows = []
+        for nproc in sorted(by_nproc):
+            rates = by_nproc[nproc]
+            rows.append({"nproc": nproc, "samples_per_s": statistics.median(rates),
+                         "samples_per_s_min": min(rates), "samples_per_s_max": max(rates),
+                         "repeats": len(rates)})
+        table = pd.DataFrame(rows)
+        base_n, base_rate = table["nproc"].iloc[0], table["samples_per_s"].iloc[0]
+        table["speedup"] = table["samples_per_s"] / base_rate
+        table["efficiency"] = table["speedup"] / (table["nproc"] / base_n)
+        return table
+
+    def __repr__(self) -> str:
+        return f"Sweep({self.name!r}, nprocs={self.info['nprocs']}, runs={len(self.runs)}, '{self.sweep_dir}')"
+
+
+def sweep(script, *, nprocs, repeats=3, args=(), device="auto", threads_per_rank=None,
+          timeout=600, name=None, runs_dir="runs") -> Sweep:
+    """Launch ``script`` at each nproc in ``nprocs``, ``repeats`` times, for a speedup chart.
+
+    Runs are interleaved (1, 2, 4, 1, 2, 4, ...) so that a slow spell of the
+    machine spreads over every point. On CPU, threads per rank stay fixed across
+    nproc (default: cores // max(nprocs)), so adding a rank adds cores, the way
+    adding a GPU adds a device.
+
+    Returns:
+        a Sweep; ``sweep.table()`` and ``labkit.plot_speedup(sweep)`` read it.
+
+    Raises:
+        ValueError: empty ``nprocs``, a bad nproc, ``repeats < 1`` (before anything runs).
+        LaunchError: a run failed.
+
+    Example (lesson 02)::
+
+        sweep = labkit.sweep("scripts/02_ddp.py", nprocs=[1, 2], repeats=3, args=["--smoke"])
+    """
+    if isinstance(nprocs, int) or not hasattr(nprocs, "__iter__"):
+        raise TypeError(f"nprocs must be a list of ints, e.g. [1, 2], got {nprocs!r}")
+    nprocs = list(nprocs)
+    if not nprocs:
+        raise ValueError("nprocs is empty: a sweep needs at least one world size, e.g. [1, 2]")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    kind = resolve_device(device)
+    for n in nprocs:
+        check_nproc(n, kind)
+    if len(set(nprocs)) != len(nprocs):
+        raise ValueError(f"nprocs has duplicates: {nprocs}")
+    nprocs = sorted(nprocs)
+    if threads_per_rank is None:
+        threads_per_rank = max(1, _hardware.cpu_count() // max(nprocs))
+    for n in nprocs:  # every argument checked before the first launch
+        plan(script, nproc=n, args=args, timeout=timeout, device=device,
+             threads_per_rank=threads_per_rank)
+    name = safe_name(Path(os.fspath(script)).stem if name is None else name, os.fspath(script), 0)
+    sweep_dir = make_run_dir(runs_dir, f"sweep-{name}", subfolders=False)
+    info = {"name": name, "script": os.fspath(script), "args": [str(a) for a in args],
+            "nprocs": nprocs, "repeats": repeats, "device": kind,
+            "threads_per_rank": threads_per_rank,
+            "hardware": {"cpu_count": _hardware.cpu_count(),
+                         "gpus": [g.__dict__ for g in _hardware.gpus()]},
+            "runs": []}
+    result = Sweep(sweep_dir, info, [])
+    handle = None
+    if in_notebook():
+        from IPython.display import display
+        handle = display({"text/plain": f"sweep {name}: starting"}, raw=True, display_id=True)
+    total = len(nprocs) * repeats
+    for repeat in range(repeats):
+        for n in nprocs:
+            label = f"{name}-n{n}-r{repeat + 1}"
+            progress = f"sweep {name}: run {len(result.runs) + 1}/{total} (nproc={n}, repeat {repeat + 1})"
+            if handle is not None:
+                handle.update({"text/plain": progress}, raw=True)
+            run = launch(script, nproc=n, args=args, device=device, timeout=timeout,
+                         threads_per_rank=threads_per_rank, name=label, runs_dir=sweep_dir,
+                         quiet=True)
+            result.runs.append(run)
+            info["runs"].append(run.run_dir.name)
+            (sweep_dir / "sweep.json").write_text(json.dumps(info, indent=2))
+            print(f"nproc={n} repeat {repeat + 1}/{repeats}: {run.throughput():,.0f} samples/s "
+                  f"({run.wall_s:.1f} s)")
+    if handle is not None:
+        handle.update({"text/plain": f"sweep {name}: {total} runs done — {sweep_dir}"}, raw=True)
+    return result

@@ -1,0 +1,192 @@
+"""The lessons' data: CIFAR-10 when it is on disk or can be downloaded, else a synthetic stand-in.
+
+The synthetic set is made from a seed, so every rank builds the same one
+without a download: ten classes of 32×32 RGB images, each class a smooth
+colour pattern, seen through random shifts, flips, contrast, colour casts, a
+faint pattern of another class and pixel noise. A CNN learns it (loss falls,
+accuracy climbs far above the 10% of guessing) but not in one step. Smoke
+runs and offline machines use it; the returned ``DataSets`` always says which
+set you got, and why.
+
+    from labkit.data import get_datasets
+    data = get_datasets("data", synthetic=args.smoke)
+    print(data.description)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+from torch.utils.data import Dataset, Subset
+
+__all__ = ["DataSets", "SyntheticCIFAR", "get_datasets", "CIFAR_MEAN", "CIFAR_STD"]
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
+           "dog", "frog", "horse", "ship", "truck")
+
+
+@dataclass
+class DataSets:
+    """The train and test sets, and which data they hold.
+
+    Attributes:
+        train, test: map-style datasets of (image tensor 3×32×32, label).
+        source: "CIFAR-10" or "synthetic".
+        description: one line for the log: what was used, how much, and why.
+    """
+
+    train: Dataset
+    test: Dataset
+    source: str
+    description: str
+
+
+class SyntheticCIFAR(Dataset):
+    """A learnable, CIFAR-shaped data set generated from a seed (see the module docstring).
+
+    Args:
+        size: number of images.
+        seed: the class patterns come from ``seed``; ``split`` picks the images,
+            so train and test share patterns but not images.
+        split: "train" or "test".
+    """
+
+    def __init__(self, size: int, *, seed: int = 0, split: str = "train"):
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        patterns = _class_patterns(seed)
+        gen = torch.Generator().manual_seed(seed * 1000 + (1 if split == "train" else 2))
+        labels = torch.arange(size) % 10
+        labels = labels[torch.randperm(size, generator=gen)]
+        images = torch.empty(size, 3, 32, 32, dtype=torch.uint8)
+        for start in range(0, size, 2048):  # in chunks: little memory at any size
+            y = labels[start:start + 2048]
+            images[start:start + len(y)] = _render(patterns, y, gen)
+        self.images, self.labels = images, labels
+        mean = torch.tensor(CIFAR_MEAN).view(3, 1, 1)
+        std = torch.tensor(CIFAR_STD).view(3, 1, 1)
+        self._scale, self._shift = 1 / (255 * std), mean / std
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        image = self.images[index].float() * self._scale - self._shift
+        return image, int(self.labels[index])
+
+
+def _class_patterns(seed: int) -> torch.Tensor:
+    """Ten smooth colour patterns, 3×32×32 each, roughly in [-1, 1]."""
+    gen = torch.Generator().manual_seed(seed)
+    coarse = torch.randn(10, 3, 4, 4, generator=gen)
+    patterns = F.interpolate(coarse, size=(32, 32), mode="bicubic", align_corners=False)
+    return patterns / patterns.abs().amax(dim=(1, 2, 3), keepdim=True)
+
+
+def _render(patterns: torch.Tensor, labels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    n = len(labels)
+    x = patterns[labels].clone()
+    other = patterns[(labels + torch.randint(1, 10, (n,), generator=gen)) % 10]
+    x = x + 0.45 * other                                      # a faint pattern of another class
+    x = x * (0.6 + 0.8 * torch.rand(n, 1, 1, 1, generator=gen))  # contrast
+    x = x + 0.35 * torch.randn(n, 3, 1, 1, generator=gen)        # colour cast
+    shifts = torch.randint(-5, 6, (n, 2), generator=gen)
+    flips = torch.rand(n, generator=gen) < 0.5
+    for i in range(n):                                        # shift and flip, image by image
+        x[i] = torch.roll(x[i], shifts=(int(shifts[i, 0]), int(shifts[i, 1])), dims=(1, 2))
+        if flips[i]:
+            x[i] = x[i].flip(-1)
+    x = x + 0.55 * torch.randn(x.shape, generator=gen)           # pixel noise
+    return ((x * 0.22 + 0.48).clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def _cifar_on_disk(root: Path) -> bool:
+    return (root / "cifar-10-batches-py" / "data_batch_1").is_file()
+
+
+def _try_download(root: Path) -> str | None:
+    """Download CIFAR-10 into ``root``; None on success, else why it failed."""
+    import torchvision
+
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(20)
+    try:
+        torchvision.datasets.CIFAR10(str(root), train=True, download=True)
+        torchvision.datasets.CIFAR10(str(root), train=False, download=True)
+        return None
+    except Exception as err:  # noqa: BLE001 - any failure means: use the synthetic set
+        return f"{type(err).__name__}: {err}"
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def _first(dataset: Dataset, size: int | None, seed: int) -> Dataset:
+    if size is None or size >= len(dataset):
+        return dataset
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
+    return Subset(dataset, order[:size].tolist())
+
+
+def get_datasets(data_dir: str | os.PathLike = "data", *, synthetic: bool = False,
+                 download: bool = True, train_size: int | None = None,
+                 test_size: int | None = None, seed: int = 0,
+                 augment: bool = True) -> DataSets:
+    """CIFAR-10 if on disk (or downloadable), else the synthetic set; always says which.
+
+    Under ``torchrun``, call it after ``init_process_group``: rank 0 downloads
+    while the others wait at a barrier, so they never write the same files.
+
+    Args:
+        data_dir: where CIFAR-10 is, or goes.
+        synthetic: use the synthetic set without looking for CIFAR-10 (smoke runs).
+        download: try to download CIFAR-10 when it is not on disk.
+        train_size, test_size: use this many images (a fixed random subset; the
+            synthetic set's defaults are 10 000 and 2 000).
+        seed: the synthetic set's seed, and the subset's.
+        augment: random crops and flips for CIFAR-10's training images.
+
+    Returns:
+        DataSets(train, test, source, description).
+    """
+    root = Path(data_dir)
+    reason = "synthetic=True (smoke mode)" if synthetic else None
+    if not synthetic and not _cifar_on_disk(root):
+        if not download:
+            reason = f"CIFAR-10 is not in {root} and download=False"
+        else:
+            import torch.distributed as dist
+
+            shared = dist.is_available() and dist.is_initialized()
+            first = not shared or dist.get_rank() == 0
+            failure = _try_download(root) if first else None
+            if shared:
+                dist.barrier()  # the others wait for rank 0's download
+            if not _cifar_on_disk(root):
+                reason = f"CIFAR-10 could not be downloaded ({failure or 'see rank 0'})"
+    if reason is None:
+        import torchvision.transforms as T
+
+        normalize = [T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)]
+        train_tf = T.Compose(([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()]
+                              if augment else []) + normalize)
+        from torchvision.datasets import CIFAR10
+
+        train = _first(CIFAR10(str(root), train=True, transform=train_tf), train_size, seed)
+        test = _first(CIFAR10(str(root), train=False, transform=T.Compose(normalize)),
+                      test_size, seed)
+        return DataSets(train, test, "CIFAR-10",
+                        f"data: CIFAR-10 from {root} ({len(train)} train / {len(test)} test images)")
+    train = SyntheticCIFAR(train_size or 10_000, seed=seed, split="train")
+    test = SyntheticCIFAR(test_size or 2_000, seed=seed, split="test")
+    return DataSets(train, test, "synthetic",
+                    f"data: synthetic CIFAR-like set, seed {seed} ({len(train)} train / "
+                    f"{len(test)} test images), because {reason}")
