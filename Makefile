@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine:
+#   make lab    create .venv if needed, install the course, start JupyterLab on the notebooks
+#   make test   the same set-up, then every test: unit, real 2-rank launches, notebooks in smoke mode
+# Run again, each skips the set-up that is already done.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: lab test test-fast exercises bench clean-runs
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip >/dev/null
+	$(PY) -m pip install -e ".[test]"
+	@touch $(STAMP)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks
+
+# LABKIT_SMOKE=1: notebooks run their smoke mode (tiny data, 2 CPU ranks at most).
+test: $(STAMP)
+	LABKIT_SMOKE=1 $(PY) -m pytest
+
+# Unit tests only (no launches, no notebooks): seconds, for the edit-run loop.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not launch and not notebook"
+
+bench: $(STAMP)
+	$(PY) benchmarks/launch_overhead.py
+	$(PY) benchmarks/metrics_cost.py
+
+clean-runs:
+	find . -path ./$(VENV) -prune -o -type d -name runs -prune -exec rm -rf {} +

@@ -1,0 +1,109 @@
+"""The lesson notebooks: stored clean, scripts in sync, executed by nbmake in smoke mode.
+
+Execution runs nbmake with --overwrite on a *copy* of the notebooks folder and
+then reads the executed copy: a notebook must not only run without error, its
+launch cells must show every rank's lines and keep a chart image. Output that
+rank processes wrote directly would be lost under nbmake; this is the test
+that would notice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+WRITEFILE = re.compile(r"^%%writefile\s+(\S+)\s*\n")
+
+
+def _cells(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["cells"]
+
+
+def _source(cell: dict) -> str:
+    src = cell["source"]
+    return "".join(src) if isinstance(src, list) else src
+
+
+def test_there_are_lessons():
+    assert [p.name[:2] for p in NOTEBOOKS][:3] == ["00", "01", "02"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_stored_clean(path):
+    nb = json.loads(path.read_text())
+    assert nb["metadata"]["kernelspec"]["name"] == "python3"
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell.get("outputs") == [] and cell.get("execution_count") is None, (
+                f"{path.name} is stored with outputs; clear them before committing")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_writefile_cells_match_scripts(path):
+    """Each %%writefile cell and its copy in notebooks/scripts/ are the same text."""
+    found = 0
+    for cell in _cells(path):
+        match = WRITEFILE.match(_source(cell))
+        if cell["cell_type"] != "code" or not match:
+            continue
+        found += 1
+        target = path.parent / match.group(1)
+        body = _source(cell)[match.end():]
+        assert target.is_file(), f"{path.name} writes {match.group(1)}, which is not committed"
+        assert body.rstrip("\n") == target.read_text().rstrip("\n"), (
+            f"{path.name}'s %%writefile {match.group(1)} and the committed file differ")
+    assert found, f"{path.name} writes no script"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_lesson_spine(path):
+    """Every lesson ends with a summary that points at its exercises."""
+    text = "\n".join(_source(c) for c in _cells(path) if c["cell_type"] == "markdown")
+    assert "## Summary" in text, f"{path.name} has no '## Summary' section"
+    assert "exercises/" in text, f"{path.name} does not point to its exercises"
+
+
+@pytest.fixture(scope="module")
+def notebook_copy(tmp_path_factory):
+    """A copy of notebooks/ (without runs or data) for nbmake to overwrite."""
+    dest = tmp_path_factory.mktemp("executed") / "notebooks"
+    shutil.copytree(ROOT / "notebooks", dest,
+                    ignore=shutil.ignore_patterns("runs", "data", ".ipynb_checkpoints"))
+    return dest
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_executes_in_smoke_mode(path, notebook_copy):
+    copy = notebook_copy / path.name
+    env = dict(os.environ, LABKIT_SMOKE="1")
+    env.pop("MPLBACKEND", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake",
+         "--overwrite", "--nbmake-timeout=300", str(copy)],
+        cwd=notebook_copy, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, f"nbmake failed on {path.name}:\n{result.stdout[-6000:]}"
+
+    launched = images = 0
+    for cell in _cells(copy):
+        if cell["cell_type"] != "code":
+            continue
+        outputs = cell.get("outputs", [])
+        text = "".join("".join(o.get("text", "")) for o in outputs if o.get("output_type") == "stream")
+        src = _source(cell)
+        if "labkit.launch(" in src and "LaunchError" not in src and "quiet=True" not in src:
+            launched += 1
+            assert "[rank0]" in text, f"{path.name}: a launch cell shows no [rank0] lines:\n{src}"
+        images += sum("image/png" in o.get("data", {}) for o in outputs)
+    if launched:
+        assert images, f"{path.name} launched runs but kept no chart image"
