@@ -121,8 +121,8 @@ def doctor(data_dir: str | os.PathLike = "data") -> Report:
     report = Report()
     add = report.checks.append
     add(Check("Python", f"{sys.version.split()[0]} ({platform.platform(terse=True)})",
-              "ok" if sys.version_info >= (3, 10) else "warn",
-              "" if sys.version_info >= (3, 10) else "the course needs Python 3.10 or newer"))
+              "ok" if sys.version_info >= (3, 11) else "warn",
+              "" if sys.version_info >= (3, 11) else "the course needs Python 3.11 or newer"))
     add(Check("PyTorch", torch.__version__))
     in_venv = Path(sys.prefix).resolve() == (_REPO / ".venv").resolve()
     installed = _version("labkit") is not None

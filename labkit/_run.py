@@ -116,10 +116,13 @@ class Run:
     def throughput(self, *, warmup_windows: int = 1) -> float:
         """Steady-state samples/s of the whole run, from the ``samples`` it logged.
 
-        A window is the stretch between two consecutive log lines of a rank. The
-        first window of each rank (it holds start-up) and ``warmup_windows`` more are
-        dropped; each rank's median window rate is taken; the ranks' rates are added
-        (with a DistributedSampler each rank sees different samples).
+        A window is the stretch between two consecutive log lines of a rank (with
+        the ``samples`` done in it), so the start-up before a rank's first line is
+        never counted. The first ``warmup_windows`` windows of each rank (and of each
+        restart) are dropped too: the first steps are slow while caches, the
+        allocator and DDP's buckets settle. Each rank's median window rate is
+        taken, and the ranks' rates are added (with a DistributedSampler each rank
+        sees different samples).
 
         Raises:
             NoMetricsError: nothing logged, or no ``samples`` column.
@@ -159,7 +162,7 @@ def steady_throughput(df, *, warmup_windows: int = 1, name: str = "run") -> floa
         if not rates:
             raise LabkitError(
                 f"run '{name}': rank {rank} has no steady-state window left after dropping "
-                f"{warmup_windows + 1} warm-up window(s). HINT: log more often or run more steps."
+                f"{warmup_windows} warm-up window(s). HINT: log more often or run more steps."
             )
         rates.sort()
         mid = len(rates) // 2

@@ -48,33 +48,33 @@ class Streams:
 
     def _discover(self) -> None:
         pattern = os.path.join(self.run_dir, "torchrun", "*", "attempt_*", "*", "stdout.log")
-        for path in sorted(glob.glob(pattern)):
-            if path in self._tails:
-                continue
+        for path in glob.glob(pattern):
             match = _ATTEMPT_RE.search(path)
-            if not match:
-                continue
-            attempt, rank = int(match.group(1)), int(match.group(2))
+            if match and path not in self._tails:
+                self._tails[path] = (int(match.group(2)), int(match.group(1)), _LineTail(path))
+
+    def poll(self, *, final: bool = False) -> None:
+        """Print what is new, attempt by attempt: an older attempt is over, so it is
+        drained completely (its unfinished last line too) before the next one's lines."""
+        self._discover()
+        attempts = sorted({attempt for _, attempt, _ in self._tails.values()})
+        for attempt in attempts:
             if attempt not in self._attempts:
                 self._attempts.add(attempt)
                 self.emit(f"── torchrun restarted the workers (restart {attempt}) ──")
-            self._tails[path] = (rank, attempt, _LineTail(path))
-
-    def poll(self) -> None:
-        self._discover()
-        for rank, _attempt, tail in sorted(self._tails.values(), key=lambda t: (t[1], t[0])):
-            for line in tail.new_lines():
-                self._line(rank, line)
+            done = final or attempt < attempts[-1]
+            for rank, _, tail in sorted(t for t in self._tails.values() if t[1] == attempt):
+                for line in tail.new_lines():
+                    self._line(rank, line)
+                rest = tail.rest() if done else ""
+                if rest:
+                    self._line(rank, rest)
         for line in self._torchrun.new_lines():
             self._torchrun_line(line)
 
     def finish(self) -> None:
         """Read what is left, including unfinished last lines."""
-        self.poll()
-        for rank, _attempt, tail in self._tails.values():
-            rest = tail.rest()
-            if rest:
-                self._line(rank, rest)
+        self.poll(final=True)
         rest = self._torchrun.rest()
         if rest:
             self._torchrun_line(rest)

@@ -1,0 +1,288 @@
+"""labkit.launch: checks at the door, and real 2-rank gloo launches."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+import labkit
+from labkit import LaunchError, LaunchTimeout, ScriptError, _hardware, _proc
+from conftest import python
+
+HELLO = """
+    import torch, torch.distributed as dist
+    from labkit import metrics
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    for step in range(3):
+        metrics.log(step, loss=1.0 / (step + 1), samples=4)
+    print(f"hello from rank {rank}, sum {t.item():.0f}")
+    dist.destroy_process_group()
+"""
+
+SLEEPER = """
+    import time, torch.distributed as dist
+    dist.init_process_group("gloo")
+    print("ready", flush=True)
+    time.sleep(120)
+"""
+
+
+def no_run_started(workdir: Path) -> bool:
+    runs = workdir / "runs"
+    return not runs.exists() or not any(runs.iterdir())
+
+
+# -- bad input: a clear error, and nothing launched ----------------------------------
+def test_missing_script(workdir):
+    with pytest.raises(FileNotFoundError, match=r"'nope.py' does not exist.*HINT: paths are relative"):
+        labkit.launch("nope.py")
+    assert no_run_started(workdir)
+
+
+def test_script_that_is_a_folder(workdir):
+    (workdir / "scripts").mkdir()
+    with pytest.raises(FileNotFoundError, match="is a folder, not a file"):
+        labkit.launch("scripts")
+
+
+def test_syntax_error_is_the_scripts_error_with_its_line(workdir, write_script):
+    write_script("broken.py", "import os\nx = (\n")
+    with pytest.raises(ScriptError, match=r"broken.py, line 2: '\(' was never closed"):
+        labkit.launch("broken.py")
+    assert no_run_started(workdir)
+
+
+@pytest.mark.parametrize("nproc, error, match", [
+    (0, ValueError, "nproc must be >= 1, got 0"),
+    (-2, ValueError, "nproc must be >= 1, got -2"),
+    (1.5, TypeError, "nproc must be an int"),
+    (True, TypeError, "nproc must be an int"),
+])
+def test_bad_nproc(workdir, write_script, nproc, error, match):
+    write_script("ok.py", "print('hi')\n")
+    with pytest.raises(error, match=match):
+        labkit.launch("ok.py", nproc=nproc)
+    assert no_run_started(workdir)
+
+
+def test_nproc_above_the_gpus(workdir, write_script, monkeypatch):
+    write_script("ok.py", "print('hi')\n")
+    monkeypatch.setattr(_hardware, "gpu_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"nproc=3 but only 2 GPU\(s\) are visible.*HINT: nproc=2"):
+        labkit.launch("ok.py", nproc=3)
+    assert no_run_started(workdir)
+
+
+def test_unknown_device(workdir, write_script):
+    write_script("ok.py", "print('hi')\n")
+    with pytest.raises(ValueError, match=r"device must be one of \('auto', 'cpu'\), got 'gpu'"):
+        labkit.launch("ok.py", device="gpu")
+
+
+def test_unknown_option(workdir, write_script):
+    write_script("ok.py", "print('hi')\n")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nprocs'"):
+        labkit.launch("ok.py", nprocs=2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"args": "--epochs 2"}, "args must be a list of strings"),
+    ({"args": [["--epochs"]]}, "args must hold strings"),
+    ({"timeout": 0}, "timeout must be a positive number"),
+    ({"timeout": "10"}, "timeout must be a positive number"),
+    ({"max_restarts": -1}, "max_restarts must be >= 0"),
+    ({"threads_per_rank": 0}, "threads_per_rank must be >= 1"),
+    ({"name": "  "}, "name must be a non-empty string"),
+    ({"env": ["A=1"]}, "env must be a dict"),
+])
+def test_bad_arguments(workdir, write_script, kwargs, match):
+    write_script("ok.py", "print('hi')\n")
+    with pytest.raises((ValueError, TypeError), match=match):
+        labkit.launch("ok.py", **kwargs)
+    assert no_run_started(workdir)
+
+
+def test_unwritable_run_folder(workdir, write_script):
+    write_script("ok.py", "print('hi')\n")
+    (workdir / "a_file").write_text("")
+    with pytest.raises(PermissionError, match=r"cannot write run folders under .*HINT: pass runs_dir="):
+        labkit.launch("ok.py", runs_dir="a_file/runs")
+
+
+def test_sweep_with_an_empty_list(workdir, write_script):
+    write_script("ok.py", "print('hi')\n")
+    with pytest.raises(ValueError, match="nprocs is empty"):
+        labkit.sweep("ok.py", nprocs=[])
+    with pytest.raises(TypeError, match="nprocs must be a list of ints"):
+        labkit.sweep("ok.py", nprocs=2)
+    with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+        labkit.sweep("ok.py", nprocs=[1], repeats=0)
+    assert no_run_started(workdir)
+
+
+def test_default_nproc_is_two_cpu_ranks_without_gpus(monkeypatch):
+    monkeypatch.setattr(_hardware, "gpu_count", lambda: 0)
+    assert labkit.default_nproc() == 2
+    monkeypatch.setattr(_hardware, "gpu_count", lambda: 8)
+    monkeypatch.delenv("LABKIT_SMOKE", raising=False)
+    assert labkit.default_nproc() == 8
+    assert labkit.default_nproc("cpu") == 2
+    monkeypatch.setenv("LABKIT_SMOKE", "1")
+    assert labkit.default_nproc() == 2
+
+
+# -- real launches ------------------------------------------------------------------------
+def all_gone(run_dir: Path, timeout: float = 10.0) -> bool:
+    """True once torchrun and every recorded rank of the run have exited."""
+    info = json.loads((run_dir / "run.json").read_text())
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = [json.loads(p.read_text()) for p in (run_dir / "pids").glob("rank*.json")]
+        alive = [p for p in pids if _proc.is_same_process(p["pid"], p["token"])]
+        if not alive and _proc.process_token(info["torchrun_pid"]) is None:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.launch
+def test_two_ranks_succeed_with_metrics_and_prefixed_output(workdir, write_script, capsys):
+    write_script("hello.py", HELLO)
+    run = labkit.launch("hello.py", nproc=2, timeout=120)
+    out = capsys.readouterr().out
+    assert run.returncode == 0 and run.status == "ok"
+    assert "[rank0] hello from rank 0, sum 1" in out
+    assert "[rank1] hello from rank 1, sum 1" in out
+    assert run.command.split()[1:3] == ["-m", "torch.distributed.run"]
+    assert "--rdzv-endpoint=127.0.0.1:0" in run.command and f"$ {run.command}" in out
+    df = run.metrics()
+    assert sorted(df["rank"].unique()) == [0, 1] and len(df) == 6
+    saved = json.loads((run.run_dir / "run.json").read_text())
+    assert saved["returncode"] == 0 and saved["env"]["OMP_NUM_THREADS"] == str(run.info["threads_per_rank"])
+    assert labkit.Run.load(run.run_dir).metrics().equals(df)
+    assert all_gone(run.run_dir, timeout=2)
+
+
+@pytest.mark.launch
+def test_a_rank_that_raises_is_named_first(workdir, write_script):
+    write_script("fail.py", """
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 is unhappy")
+        dist.barrier()
+    """)
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 failed \(exit code 1\): ValueError: rank 1 is unhappy") as info:
+        labkit.launch("fail.py", nproc=2, timeout=120)
+    assert time.monotonic() - start < 30
+    err = info.value
+    assert err.failures[0].rank == 1 and not err.failures[0].secondary
+    assert 'File "fail.py", line 4' in err.failures[0].traceback
+    assert "HINT: read rank 1's traceback" in str(err)
+    assert all_gone(err.run.run_dir, timeout=5)
+
+
+@pytest.mark.launch
+def test_a_bad_script_option_shows_the_scripts_own_message(workdir, write_script):
+    write_script("opts.py", """
+        import argparse
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--epochs", type=int)
+        parser.parse_args()
+    """)
+    with pytest.raises(LaunchError, match=r"SystemExit") as info:
+        labkit.launch("opts.py", nproc=1, args=["--lr", "2"], timeout=60)
+    assert "unrecognized arguments: --lr 2" in info.value.failures[0].output_tail
+    assert "exited on purpose" in str(info.value)
+
+
+@pytest.mark.launch
+def test_a_hang_becomes_a_timeout_that_says_where_each_rank_was(workdir, write_script):
+    write_script("hang.py", """
+        import time, torch, torch.distributed as dist
+        from labkit import metrics
+        dist.init_process_group("gloo")
+        metrics.log(0, loss=1.0)
+        if dist.get_rank() == 0:
+            metrics.log(1, loss=0.5)
+            dist.all_reduce(torch.ones(1))
+        else:
+            time.sleep(300)
+    """)
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        labkit.launch("hang.py", nproc=2, timeout=8)
+    assert time.monotonic() - start < 8 + 10
+    err = info.value
+    assert err.last_steps == {0: 1, 1: 0}
+    assert err.stacks[0].startswith("hang.py:7 in <module>, inside all_reduce")
+    assert err.stacks[1].startswith("hang.py:9 in <module>")
+    assert "rank 0: last logged step 1; was at hang.py:7" in str(err)
+    assert all_gone(err.run.run_dir, timeout=5)
+
+
+@pytest.mark.launch
+def test_restarts_resume_and_are_stamped(workdir, write_script):
+    write_script("flaky.py", """
+        import os, torch.distributed as dist
+        from labkit import metrics
+        dist.init_process_group("gloo")
+        restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+        metrics.log(restart, loss=1.0)
+        if restart == 0 and dist.get_rank() == 1:
+            raise RuntimeError("first attempt fails")
+        dist.barrier()
+        dist.destroy_process_group()
+    """)
+    run = labkit.launch("flaky.py", nproc=2, max_restarts=1, timeout=120)
+    df = run.metrics()
+    assert run.status == "ok"
+    assert sorted(df["restart"].unique()) == [0, 1]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_no_rank_outlives_its_launcher(workdir, write_script, sig):
+    write_script("sleeper.py", SLEEPER)
+    launcher = python("""
+        import labkit
+        labkit.launch("sleeper.py", nproc=2, timeout=300)
+    """, cwd=workdir)
+    try:
+        deadline = time.monotonic() + 60
+        run_dir = None
+        while time.monotonic() < deadline:
+            found = list((workdir / "runs").glob("*/pids/rank1.json")) if (workdir / "runs").exists() else []
+            if found and len(list(found[0].parent.glob("rank*.json"))) == 2:
+                run_dir = found[0].parent.parent
+                break
+            time.sleep(0.2)
+        assert run_dir is not None, "the ranks never started"
+        launcher.send_signal(sig)
+        assert all_gone(run_dir, timeout=10), f"processes of {run_dir} outlived a {sig.name}"
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+@pytest.mark.launch
+def test_two_concurrent_launches_both_succeed(workdir, write_script):
+    write_script("hello.py", HELLO)
+    code = """
+        import labkit
+        run = labkit.launch("hello.py", nproc=2, timeout=120, quiet=True)
+        print(run.status)
+    """
+    import subprocess
+    procs = [python(code, cwd=workdir, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [o.strip().splitlines()[-1] for o in outs] == ["ok", "ok"]
+    assert len(list((workdir / "runs").iterdir())) == 2

@@ -1,0 +1,41 @@
+"""Charts: curves averaged over ranks, restarts marked, clear errors."""
+
+from __future__ import annotations
+
+import matplotlib
+import pytest
+
+import labkit
+from labkit import NoMetricsError
+from labkit._plots import metric_curve
+from test_run import make_run, rec
+
+matplotlib.use("Agg")
+
+
+def test_curve_is_the_mean_over_ranks_at_each_step(tmp_path):
+    run = make_run(tmp_path, {0: [rec(0, 1, 1.0, loss=2.0, samples=4)],
+                              1: [rec(1, 1, 1.1, loss=4.0, samples=4)]})
+    curve = metric_curve(run.metrics(), x="step", y="loss")
+    assert curve["y"].tolist() == [3.0] and curve["x"].tolist() == [1]
+    by_samples = metric_curve(run.metrics(), x="samples", y="loss")
+    assert by_samples["x"].tolist() == [8]
+
+
+def test_plot_loss_marks_restarts(tmp_path):
+    lines = [rec(0, 1, 1.0, loss=2.0), rec(0, 2, 2.0, loss=1.5),
+             {**rec(0, 2, 5.0, loss=1.5), "restart": 1}, {**rec(0, 3, 6.0, loss=1.2), "restart": 1}]
+    run = make_run(tmp_path, {0: lines})
+    ax = labkit.plot_loss(run)
+    assert [t.get_text() for t in ax.texts] == ["restart 1"]
+    assert len(ax.lines) == 2  # the curve and the restart marker
+
+
+def test_plot_errors_are_clear(tmp_path):
+    run = make_run(tmp_path, {0: [rec(0, 1, 1.0, loss=2.0)]})
+    with pytest.raises(NoMetricsError, match=r"logged no 'test_acc' \(it logged: step, restart, loss\)"):
+        labkit.plot_metric(run, "test_acc")
+    with pytest.raises(ValueError, match="x must be one of"):
+        labkit.plot_loss(run, x="epoch")
+    with pytest.raises(ValueError, match="at least one run"):
+        labkit.plot_loss([])

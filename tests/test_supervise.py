@@ -1,0 +1,59 @@
+"""Reading what ranks left behind: stack dumps, peer failures, torchrun's log lines."""
+
+from __future__ import annotations
+
+from labkit import RankFailure
+from labkit._supervise import Streams, parse_stack
+
+DUMP = '''Thread 0x00007f7cc4b526c0 (most recent call first):
+  File "/x/labkit/_entry.py", line 49 in _watch
+  File "/usr/lib/python3.11/threading.py", line 982 in run
+
+Current thread 0x00007f7cc57f6b80 (most recent call first):
+  File "/x/torch/distributed/distributed_c10d.py", line 3913 in all_reduce
+  File "/x/torch/distributed/c10d_logger.py", line 83 in wrapper
+  File "train.py", line 6 in step
+  File "train.py", line 11 in <module>
+  File "<frozen runpy>", line 88 in _run_code
+'''
+
+
+def test_parse_stack_names_the_scripts_innermost_line_and_the_call(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse_stack(DUMP, "train.py") == "train.py:6 in step, inside all_reduce (distributed_c10d.py)"
+
+
+def test_parse_stack_in_the_scripts_own_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    dump = 'Current thread 0x1 (most recent call first):\n  File "train.py", line 3 in <module>\n'
+    assert parse_stack(dump, "train.py") == "train.py:3 in <module>"
+    assert parse_stack("garbage", "train.py") is None
+
+
+def test_peer_failures_are_recognised_as_secondary():
+    assert RankFailure.looks_secondary("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:1")
+    assert RankFailure.looks_secondary("NCCL error: remote process exited or there was a network error")
+    assert not RankFailure.looks_secondary("ValueError: rank 1 is unhappy")
+
+
+def test_torchrun_lines_lose_their_log_prefix_and_noise(tmp_path):
+    lines = []
+    streams = Streams(tmp_path, lines.append)
+    streams._torchrun_line("W1122 04:01:27.719000 2582 .venv/x/api.py:753] Received 15 death signal")
+    streams._torchrun_line("E1122 04:01:18.192000 2564 x/error_handler.py:157] no error file defined for parent, to copy")
+    streams._torchrun_line("Traceback (most recent call last):")
+    streams._torchrun_line("  ChildFailedError: ...")
+    assert lines == ["[torchrun] warning: Received 15 death signal"]
+
+
+def test_rank_lines_are_prefixed_across_restarts(tmp_path):
+    lines = []
+    for attempt in (0, 1):
+        folder = tmp_path / "torchrun" / "id_x" / f"attempt_{attempt}" / "1"
+        folder.mkdir(parents=True)
+        (folder / "stdout.log").write_text(f"attempt {attempt}\nunfinished")
+    streams = Streams(tmp_path, lines.append)
+    streams.finish()
+    assert lines == ["[rank1] attempt 0", "[rank1] unfinished",
+                     "── torchrun restarted the workers (restart 1) ──",
+                     "[rank1] attempt 1", "[rank1] unfinished"]

@@ -1,0 +1,39 @@
+"""labkit.sweep and its table and chart, on a tiny real script."""
+
+from __future__ import annotations
+
+import matplotlib
+import pytest
+
+import labkit
+
+matplotlib.use("Agg")  # tests draw off-screen; notebooks keep their inline backend
+
+TINY = """
+    import time, torch.distributed as dist
+    from labkit import metrics
+    dist.init_process_group("gloo")
+    for step in range(8):
+        time.sleep(0.02)
+        metrics.log(step, loss=1.0 / (step + 1), samples=16)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.launch
+def test_sweep_table_speedup_and_reload(workdir, write_script):
+    write_script("tiny.py", TINY)
+    sweep = labkit.sweep("tiny.py", nprocs=[2, 1], repeats=1, timeout=120)
+    table = sweep.table()
+    assert list(table["nproc"]) == [1, 2]
+    assert table["speedup"].iloc[0] == 1.0 and table["efficiency"].iloc[0] == 1.0
+    # Each rank sleeps 20 ms a step: 2 ranks do twice the samples/s of 1 (sleeping needs no core).
+    assert table["speedup"].iloc[1] == pytest.approx(2.0, rel=0.35)
+    assert sweep.threads_per_rank == 1  # 2 cores // 2 ranks, held for nproc=1 too
+    assert all(run.info["threads_per_rank"] == 1 for run in sweep.runs)
+    assert "held fixed" in sweep.caption
+    again = labkit.Sweep.load(sweep.sweep_dir)
+    assert again.table().equals(table)
+    ax = labkit.plot_speedup(sweep)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "ideal (linear)" in labels and "efficiency" in labels
