@@ -36,6 +36,8 @@ _LAZY = {
     "plot_loss": "labkit._plots",
     "plot_metric": "labkit._plots",
     "plot_speedup": "labkit._plots",
+    "plot_throughput": "labkit._plots",
+    "gpu_count": "labkit._hardware",
     "is_smoke": "labkit._hardware",
     "LabkitError": "labkit._errors",
     "LaunchError": "labkit._errors",

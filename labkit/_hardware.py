@@ -81,6 +81,7 @@ def gpus() -> list[Gpu]:
 
 
 def gpu_count() -> int:
+    """How many GPUs launches can use (CUDA_VISIBLE_DEVICES applied; no CUDA context made)."""
     return len(gpus())
 
 

@@ -353,7 +353,7 @@ def _conclude(run: Run, streams, stacks: dict, emit) -> Run:
         elif first.exc_type:
             hint = (f"read rank {first.rank}'s traceback above: it is the root cause"
                     + ("; the other ranks stopped because it went away." if len(failures) > 1 else ".")
-                    + " A rank's whole output: run.output(rank).")
+                    + " A rank's whole output: err.run.output(rank).")
         else:
             hint = ("no Python exception was recorded: a rank killed by a signal is often out of "
                     "memory (dmesg says), or was stopped from outside.")

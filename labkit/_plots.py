@@ -107,6 +107,41 @@ def plot_loss(runs, *, x: str = "step", ax=None, title: str | None = None):
     return plot_metric(runs, "loss", x=x, ax=ax, title=title)
 
 
+def plot_throughput(run, *, warmup_windows: int = 1, ax=None, title: str | None = None):
+    """Samples/s of every logging window, warm-up windows marked, the steady median drawn.
+
+    This is how ``Run.throughput`` gets its figure: the same windows, the same
+    warm-up, the median of the rest.
+
+    Returns:
+        the matplotlib Axes.
+
+    Example (lesson 01)::
+
+        labkit.plot_throughput(run)
+    """
+    import matplotlib.pyplot as plt
+
+    windows = run.windows(warmup_windows=warmup_windows)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.4))
+    steady = windows[~windows["warmup"]]
+    warm = windows[windows["warmup"]]
+    ax.plot(steady["step"], steady["samples_per_s"], "o", ms=4, label="steady windows")
+    ax.plot(warm["step"], warm["samples_per_s"], "x", color="tab:red", ms=7,
+            label="warm-up windows (left out)")
+    rate = run.throughput(warmup_windows=warmup_windows)
+    per_rank = rate / max(1, windows["rank"].nunique())
+    ax.axhline(per_rank, color="k", lw=1, ls="--", label=f"median: {per_rank:,.0f} samples/s per rank")
+    ax.set_xlabel("optimiser step (end of window)")
+    ax.set_ylabel("samples/s (one rank)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or f"Throughput of {run.name}")
+    return ax
+
+
 def plot_speedup(sweep, *, ax=None, title: str | None = None):
     """Measured speedup against the ideal line, efficiency on a second axis.
 
@@ -144,7 +179,8 @@ def plot_speedup(sweep, *, ax=None, title: str | None = None):
     eff.set_ylim(0, 110)
     lines = ax.get_legend_handles_labels()
     more = eff.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper left")
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper left",
+              bbox_to_anchor=(1.13, 1.0), fontsize=9)  # outside: clear of both curves
     ax.set_title(title or f"Speedup of {sweep.name}")
     ax.figure.text(0.01, -0.02, sweep.caption, fontsize=8, ha="left", va="top")
     ax.efficiency_ax = eff

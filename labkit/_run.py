@@ -130,6 +130,12 @@ class Run:
         """
         return steady_throughput(self.metrics(), warmup_windows=warmup_windows, name=self.name)
 
+    def windows(self, *, warmup_windows: int = 1):
+        """Each rank's throughput windows: a DataFrame with ``rank``, ``restart``, ``step``
+        (where the window ends), ``dt_s``, ``samples``, ``samples_per_s`` and ``warmup``
+        (True for the windows ``throughput`` leaves out). Lesson 01 charts it."""
+        return throughput_windows(self.metrics(), warmup_windows=warmup_windows, name=self.name)
+
     def output(self, rank: int = 0) -> str:
         """Everything ``rank`` printed, over all restarts."""
         return "".join(p.read_text(errors="replace") for p in rank_log_paths(self.run_dir, rank))
@@ -140,31 +146,46 @@ class Run:
                 f"returncode={self.returncode}, wall={wall}, run_dir='{self.run_dir}')")
 
 
-def steady_throughput(df, *, warmup_windows: int = 1, name: str = "run") -> float:
-    """Steady-state samples/s from a metrics DataFrame (see ``Run.throughput``)."""
-    if warmup_windows < 0:
-        raise ValueError(f"warmup_windows must be >= 0, got {warmup_windows}")
+def throughput_windows(df, *, warmup_windows: int = 1, name: str = "run"):
+    """Per-window samples/s of each rank from a metrics DataFrame (see ``Run.windows``)."""
+    import pandas as pd
+
+    if isinstance(warmup_windows, bool) or not isinstance(warmup_windows, int) or warmup_windows < 0:
+        raise ValueError(f"warmup_windows must be an int >= 0, got {warmup_windows!r}")
     if "samples" not in df.columns:
         raise NoMetricsError(
             f"run '{name}' logged no 'samples', so its throughput is unknown. "
             f"HINT: metrics.log(step, ..., samples=<samples since the previous log call>)."
         )
     df = df[df["samples"].notna()]  # lines such as test accuracy carry no samples
+    parts = []
+    for (rank, restart), part in df.groupby(["rank", "restart"]):
+        part = part.sort_values("time")
+        windows = pd.DataFrame({
+            "rank": rank, "restart": restart, "step": part["step"].to_numpy()[1:],
+            "dt_s": part["time"].diff().to_numpy()[1:],
+            "samples": part["samples"].to_numpy()[1:],
+        })
+        windows["warmup"] = windows.index < warmup_windows
+        parts.append(windows[windows["dt_s"] > 0])
+    if not parts:
+        return pd.DataFrame(columns=["rank", "restart", "step", "dt_s", "samples", "warmup",
+                                     "samples_per_s"])
+    out = pd.concat(parts, ignore_index=True)
+    out["samples_per_s"] = out["samples"] / out["dt_s"]
+    return out
+
+
+def steady_throughput(df, *, warmup_windows: int = 1, name: str = "run") -> float:
+    """Steady-state samples/s from a metrics DataFrame (see ``Run.throughput``)."""
+    windows = throughput_windows(df, warmup_windows=warmup_windows, name=name)
     total = 0.0
-    for rank, by_rank in df.groupby("rank"):
-        rates = []
-        for _, part in by_rank.groupby("restart"):
-            part = part.sort_values("time")
-            dt = part["time"].diff().to_numpy()[1:]
-            samples = part["samples"].to_numpy()[1:]
-            window_rates = [s / d for s, d in zip(samples, dt) if d > 0]
-            rates += window_rates[warmup_windows:]
-        if not rates:
+    for rank in sorted(df["rank"].unique()):
+        steady = windows[(windows["rank"] == rank) & ~windows["warmup"]]
+        if steady.empty:
             raise LabkitError(
                 f"run '{name}': rank {rank} has no steady-state window left after dropping "
                 f"{warmup_windows} warm-up window(s). HINT: log more often or run more steps."
             )
-        rates.sort()
-        mid = len(rates) // 2
-        total += rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+        total += float(steady["samples_per_s"].median())
     return total

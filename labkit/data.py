@@ -96,16 +96,16 @@ def _render(patterns: torch.Tensor, labels: torch.Tensor, gen: torch.Generator) 
     n = len(labels)
     x = patterns[labels].clone()
     other = patterns[(labels + torch.randint(1, 10, (n,), generator=gen)) % 10]
-    x = x + 0.45 * other                                      # a faint pattern of another class
+    x = x + 0.35 * other                                      # a faint pattern of another class
     x = x * (0.6 + 0.8 * torch.rand(n, 1, 1, 1, generator=gen))  # contrast
-    x = x + 0.35 * torch.randn(n, 3, 1, 1, generator=gen)        # colour cast
-    shifts = torch.randint(-5, 6, (n, 2), generator=gen)
+    x = x + 0.2 * torch.randn(n, 3, 1, 1, generator=gen)         # colour cast
+    shifts = torch.randint(-2, 3, (n, 2), generator=gen)
     flips = torch.rand(n, generator=gen) < 0.5
     for i in range(n):                                        # shift and flip, image by image
         x[i] = torch.roll(x[i], shifts=(int(shifts[i, 0]), int(shifts[i, 1])), dims=(1, 2))
         if flips[i]:
             x[i] = x[i].flip(-1)
-    x = x + 0.55 * torch.randn(x.shape, generator=gen)           # pixel noise
+    x = x + 0.5 * torch.randn(x.shape, generator=gen)            # pixel noise
     return ((x * 0.22 + 0.48).clamp(0, 1) * 255).round().to(torch.uint8)
 
 

@@ -84,3 +84,13 @@ def test_throughput_needs_samples_and_enough_windows(tmp_path):
     run = make_run(tmp_path / "b", {0: [rec(0, 0, 0.0, samples=1), rec(0, 1, 1.0, samples=1)]})
     with pytest.raises(LabkitError, match="no steady-state window left"):
         run.throughput()
+
+
+def test_windows_mark_warmup_per_rank(tmp_path):
+    r0 = [rec(0, i, float(i), samples=10) for i in range(4)]
+    r1 = [rec(1, i, 2.0 * i, samples=10) for i in range(4)]
+    w = make_run(tmp_path, {0: r0, 1: r1}).windows(warmup_windows=1)
+    assert w.groupby("rank")["warmup"].sum().tolist() == [1, 1]
+    assert w[w["rank"] == 1]["samples_per_s"].tolist() == [5.0, 5.0, 5.0]
+    with pytest.raises(ValueError, match="warmup_windows must be an int >= 0"):
+        make_run(tmp_path / "b", {0: r0}).windows(warmup_windows=-1)

@@ -25,6 +25,8 @@ parser.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default=
                     help="scale --lr with the world size")
 parser.add_argument("--warmup-steps", type=int, default=0, help="ramp the lr up over this many steps")
 parser.add_argument("--width", type=int, default=32, help="channels of the first block")
+parser.add_argument("--norm", choices=["batch", "group"], default="batch",
+                    help="group: GroupNorm, no statistics shared across a batch (lesson 02's proof)")
 parser.add_argument("--train-size", type=int, default=None, help="use a subset of this many images")
 parser.add_argument("--test-size", type=int, default=None)
 parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
@@ -69,7 +71,7 @@ train_loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sample
 test_shard = Subset(data.test, range(rank, len(data.test), world_size))  # no padding, no overlap
 test_loader = DataLoader(test_shard, batch_size=256, num_workers=args.workers, pin_memory=pin)
 
-model = SmallResNet(width=args.width).to(device)  # on its device BEFORE wrapping in DDP
+model = SmallResNet(width=args.width, norm=args.norm).to(device)  # on its device BEFORE wrapping
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
 
