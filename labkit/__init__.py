@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "launch": "labkit._launch",
-    "default_nproc": "labkit._launch",
+    "default_nproc": "labkit._plan",
     "sweep": "labkit._sweep",
     "Sweep": "labkit._sweep",
     "Run": "labkit._run",

@@ -116,7 +116,7 @@ def doctor(data_dir: str | os.PathLike = "data") -> Report:
     import torch
     import torch.distributed as dist
 
-    from labkit._launch import default_nproc
+    from labkit._plan import default_nproc
 
     report = Report()
     add = report.checks.append

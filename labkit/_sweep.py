@@ -8,7 +8,8 @@ import statistics
 from pathlib import Path
 
 from labkit import _hardware
-from labkit._launch import check_nproc, launch, make_run_dir, plan, resolve_device, safe_name
+from labkit._launch import launch, make_run_dir, safe_name
+from labkit._plan import check_nproc, plan, resolve_device
 from labkit._live import in_notebook
 from labkit._run import Run
 
