@@ -39,3 +39,13 @@ def test_plot_errors_are_clear(tmp_path):
         labkit.plot_loss(run, x="epoch")
     with pytest.raises(ValueError, match="at least one run"):
         labkit.plot_loss([])
+
+
+def test_plot_throughput_marks_warmup_and_draws_the_reported_median(tmp_path):
+    lines = [rec(0, i, float(t), samples=10) for i, t in enumerate([0, 5, 6, 7, 8])]
+    run = make_run(tmp_path, {0: lines})
+    ax = labkit.plot_throughput(run)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[1] == "warm-up windows (left out)"
+    assert labels[2] == f"median: {run.throughput():,.0f} samples/s per rank"
+    assert ax.get_lines()[1].get_ydata().tolist() == [2.0]  # the slow first window, marked

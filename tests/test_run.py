@@ -94,3 +94,20 @@ def test_windows_mark_warmup_per_rank(tmp_path):
     assert w[w["rank"] == 1]["samples_per_s"].tolist() == [5.0, 5.0, 5.0]
     with pytest.raises(ValueError, match="warmup_windows must be an int >= 0"):
         make_run(tmp_path / "b", {0: r0}).windows(warmup_windows=-1)
+
+
+def test_output_joins_every_attempt_of_a_rank(tmp_path):
+    run = make_run(tmp_path, {0: [rec(0, 1, 1.0)]})
+    for attempt, text in ((0, "first try\n"), (1, "second try\n")):
+        folder = run.run_dir / "torchrun" / "id_abc" / f"attempt_{attempt}" / "0"
+        folder.mkdir(parents=True)
+        (folder / "stdout.log").write_text(text)
+    assert run.output(0) == "first try\nsecond try\n"
+    assert run.output(1) == ""
+
+
+@pytest.mark.parametrize("value, smoke", [("1", True), ("yes", True), ("0", False), ("", False)])
+def test_is_smoke_reads_the_environment(monkeypatch, value, smoke):
+    import labkit
+    monkeypatch.setenv("LABKIT_SMOKE", value)
+    assert labkit.is_smoke() is smoke
