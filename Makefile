@@ -7,12 +7,18 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The PyTorch the course is tested with. pyproject.toml accepts any torch >= 2.6; without
+# this pin pip would fetch the newest release. A GPU box whose driver wants another CUDA
+# build can choose its wheels, e.g.
+#   make lab TORCH="torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cu126"
+TORCH  ?= torch==2.14.1 torchvision==0.29.1
 
 .PHONY: lab test test-fast exercises bench clean-runs
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip >/dev/null
+	$(PY) -m pip install $(TORCH)
 	$(PY) -m pip install -e ".[test]"
 	@touch $(STAMP)
 

@@ -11,7 +11,8 @@ would) it:
 3. sends stderr to the same file as stdout, so a traceback stays in order
    with the prints that led to it;
 4. lets the launcher ask for every thread's Python stack with SIGUSR1 (how a
-   timeout names the line a hung rank is stuck on).
+   timeout names the line a hung rank is stuck on);
+5. ends the rank without the interpreter's final teardown (see ``_exit``).
 
 An uncaught exception is written, with its traceback, to torchrun's error file
 and to the run folder's ``errors/`` for LaunchError to report.
@@ -21,6 +22,7 @@ Standard library only until the script itself runs.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -151,5 +153,34 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """End the rank as Python would, then skip the interpreter's teardown.
+
+    PyTorch's gloo backend frees each finished collective on its own worker
+    thread, shortly *after* ``wait()`` has returned, and freeing a tensor that
+    Python also knows about takes the GIL. If the main thread is already tearing
+    the interpreter down, that thread is stopped inside a destructor and the
+    process dies with "terminate called without an active exception" (SIGABRT),
+    after the script has finished its work. ``destroy_process_group()`` does not
+    join those threads, and a script cannot close the window itself.
+
+    So: wait for the script's non-daemon threads, run the atexit handlers
+    (DataLoader workers, logging, temporary files, labkit's metrics), flush, and
+    leave with ``os._exit``, which stops gloo's threads where they stand.
+    """
+    main_thread = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main_thread and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    metrics.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    _exit(main(sys.argv[1:]))

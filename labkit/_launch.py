@@ -62,6 +62,7 @@ def torchrun_argv(p: Plan, run_dir: Path, run_id: str) -> list[str]:
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes=1", f"--nproc-per-node={p.nproc}",
         "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={run_id}",
+        "--local-addr=127.0.0.1",  # the address ranks are told to meet at: loopback too
         f"--max-restarts={p.max_restarts}",
         f"--log-dir={run_dir / 'torchrun'}", "--redirects=3",
         "-m", "labkit._entry", p.script, *p.args,
@@ -80,6 +81,12 @@ def rank_env(p: Plan, run_dir: Path, extra: dict | None) -> dict:
     loopback = _hardware.loopback_interface()
     if loopback and "GLOO_SOCKET_IFNAME" not in env:
         env["GLOO_SOCKET_IFNAME"] = loopback  # single machine: gloo talks over loopback only
+    if p.max_restarts > 0:
+        # torchrun keeps one TCPStore for every rendezvous round, and nothing in it is
+        # prefixed by attempt: a restarted rank then reads the gloo addresses of the
+        # attempt that failed and hangs or is refused. A fresh store per attempt
+        # (hosted by the new rank 0) avoids it.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if p.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     if env.get("MPLBACKEND", "").startswith("module://"):
@@ -162,7 +169,7 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
         "cwd": os.getcwd(), "smoke": _hardware.is_smoke(),
         "env": {k: rank_environment[k] for k in sorted(rank_environment)
                 if k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME",
-                         "LABKIT_SMOKE", *(env or {}))},
+                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "LABKIT_SMOKE", *(env or {}))},
         "versions": _versions(), "git_commit": _git_commit(),
         "hardware": {"cpu_count": _hardware.cpu_count(), "platform": sys.platform,
                      "gpus": [g.__dict__ for g in _hardware.gpus()]},

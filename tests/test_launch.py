@@ -230,22 +230,72 @@ def test_a_hang_becomes_a_timeout_that_says_where_each_rank_was(workdir, write_s
 
 
 @pytest.mark.launch
+def test_a_rank_ends_like_python_but_skips_the_final_teardown(workdir, write_script):
+    """atexit handlers and non-daemon threads still run; the interpreter's teardown does not.
+
+    The teardown is where gloo's worker threads, freeing a finished collective,
+    abort the process ("terminate called without an active exception"): see
+    labkit._entry._exit. A module global's __del__ runs only in that teardown.
+    """
+    write_script("ending.py", """
+        import atexit, pathlib, threading, time
+
+        def late_write():
+            time.sleep(0.3)
+            pathlib.Path("thread-finished").write_text("yes")
+
+        class Witness:
+            def __del__(self):
+                pathlib.Path("teardown-ran").write_text("yes")
+
+        witness = Witness()
+        atexit.register(lambda: pathlib.Path("atexit-ran").write_text("yes"))
+        threading.Thread(target=late_write).start()
+        print("script done")
+    """)
+    run = labkit.launch("ending.py", nproc=1, timeout=60)
+    assert run.status == "ok" and "script done" in run.output(0)
+    assert (workdir / "atexit-ran").exists(), "atexit handlers must still run"
+    assert (workdir / "thread-finished").exists(), "non-daemon threads must be waited for"
+    assert not (workdir / "teardown-ran").exists(), "the interpreter's teardown must be skipped"
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_ranks_exit_code_is_kept(workdir, write_script, code):
+    write_script("leave.py", f"""
+        import sys
+        print("leaving", flush=True)
+        sys.exit({code})
+    """)
+    if code == 0:
+        assert labkit.launch("leave.py", nproc=1, timeout=60).returncode == 0
+    else:
+        with pytest.raises(LaunchError, match=f"exited with code {code}"):
+            labkit.launch("leave.py", nproc=1, timeout=60)
+
+
+@pytest.mark.launch
 def test_restarts_resume_and_are_stamped(workdir, write_script):
     write_script("flaky.py", """
-        import os, torch.distributed as dist
+        import os, torch, torch.distributed as dist
         from labkit import metrics
         dist.init_process_group("gloo")
         restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
         metrics.log(restart, loss=1.0)
         if restart == 0 and dist.get_rank() == 1:
             raise RuntimeError("first attempt fails")
-        dist.barrier()
+        t = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(t)  # needs a sound gloo mesh in the restarted attempt
+        metrics.log(restart, total=t.item())
         dist.destroy_process_group()
     """)
     run = labkit.launch("flaky.py", nproc=2, max_restarts=1, timeout=120)
     df = run.metrics()
     assert run.status == "ok"
     assert sorted(df["restart"].unique()) == [0, 1]
+    assert df.loc[df["restart"] == 1, "total"].dropna().tolist() == [3.0, 3.0]
+    assert run.info["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
 @pytest.mark.launch

@@ -43,3 +43,15 @@ def test_readme_test_command_is_what_ci_runs():
 def test_every_public_name_resolves():
     for name in labkit.__all__:
         assert getattr(labkit, name) is not None, name
+
+
+def test_make_and_conda_pin_the_same_torch():
+    """Both set-up paths install the PyTorch the course is tested with."""
+    make_pin = re.search(r"^TORCH\s*\?=\s*(.+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert make_pin, "the Makefile names the tested torch in TORCH ?= ..."
+    pins = set(make_pin.group(1).split())
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(dep["pip"] for dep in env["dependencies"] if isinstance(dep, dict))
+    conda_pins = {r.split("#")[0].strip() for r in pip if r.startswith("torch")}
+    assert pins == conda_pins, (pins, conda_pins)
+    assert {p.split("==")[0] for p in pins} == {"torch", "torchvision"}
