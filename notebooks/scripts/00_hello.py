@@ -3,6 +3,7 @@
 Run it:  torchrun --standalone --nproc-per-node=2 scripts/00_hello.py
 """
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,9 +31,16 @@ if rank == 0:
                 "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "OMP_NUM_THREADS"):
         print(f"  {key}={os.environ.get(key)}")
 
+# Rank r reaches the collective r × 0.3 s late, so we can watch the others wait for it.
+ready = time.time()
+time.sleep(0.3 * rank)
 value = torch.tensor([float(rank)], device=device)
+arrive = time.time()
 dist.all_reduce(value)  # a collective: every rank must call it, and all get the sum
-print(f"rank {rank}: the sum of all ranks is {value.item():.0f}")
-metrics.log(0, rank_sum=value.item(), pid=os.getpid())
+total = value.item()    # .item() waits for the result (on a GPU the call only queues it)
+leave = time.time()
+print(f"rank {rank}: the sum of all ranks is {total:.0f} "
+      f"(waited {leave - arrive:.2f} s in all_reduce)")
+metrics.log(0, rank_sum=total, pid=os.getpid(), ready=ready, arrive=arrive, leave=leave)
 
 dist.destroy_process_group()
