@@ -62,7 +62,7 @@ def _as_runs(runs):
 
 
 def plot_metric(runs, y: str, *, x: str = "step", ax=None, title: str | None = None,
-                logy: bool = False):
+                logy: bool = False, labels=None):
     """Plot a logged metric of one or more runs, one line per run (mean over ranks).
 
     Args:
@@ -70,6 +70,7 @@ def plot_metric(runs, y: str, *, x: str = "step", ax=None, title: str | None = N
         y: the logged name, e.g. ``"loss"`` or ``"test_acc"``.
         x: ``"step"``, ``"samples"`` (all ranks together) or ``"time"`` (seconds since launch).
         ax: a matplotlib Axes to draw on (default: a new figure).
+        labels: legend entries, one per run (default: the runs' names).
 
     Returns:
         the matplotlib Axes.
@@ -81,11 +82,14 @@ def plot_metric(runs, y: str, *, x: str = "step", ax=None, title: str | None = N
     import matplotlib.pyplot as plt
 
     runs = _as_runs(runs)
+    labels = [run.name for run in runs] if labels is None else list(labels)
+    if len(labels) != len(runs):
+        raise ValueError(f"labels has {len(labels)} entries for {len(runs)} run(s): {labels}")
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.8))
-    for run in runs:
+    for run, label in zip(runs, labels):
         curve = metric_curve(run.metrics(), x=x, y=y, start_time=run.start_time)
-        draw_curve(ax, curve, label=run.name)
+        draw_curve(ax, curve, label=label)
     ax.set_xlabel(_X_LABELS[x])
     ax.set_ylabel(y)
     if logy:
@@ -97,14 +101,14 @@ def plot_metric(runs, y: str, *, x: str = "step", ax=None, title: str | None = N
     return ax
 
 
-def plot_loss(runs, *, x: str = "step", ax=None, title: str | None = None):
+def plot_loss(runs, *, x: str = "step", ax=None, title: str | None = None, labels=None):
     """Plot the training loss of one or more runs (``plot_metric`` with ``y="loss"``).
 
     Example (lesson 02)::
 
-        labkit.plot_loss([single_run, ddp_run], x="samples")
+        labkit.plot_loss([single_run, ddp_run], x="samples", labels=["1 rank", "2 ranks"])
     """
-    return plot_metric(runs, "loss", x=x, ax=ax, title=title)
+    return plot_metric(runs, "loss", x=x, ax=ax, title=title, labels=labels)
 
 
 def plot_throughput(run, *, warmup_windows: int = 1, ax=None, title: str | None = None):

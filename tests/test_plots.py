@@ -49,3 +49,12 @@ def test_plot_throughput_marks_warmup_and_draws_the_reported_median(tmp_path):
     assert labels[1] == "warm-up windows (left out)"
     assert labels[2] == f"median: {run.throughput():,.0f} samples/s per rank"
     assert ax.get_lines()[1].get_ydata().tolist() == [2.0]  # the slow first window, marked
+
+
+def test_plot_loss_takes_legend_labels_one_per_run(tmp_path):
+    a = make_run(tmp_path / "a", {0: [rec(0, 1, 1.0, loss=2.0), rec(0, 2, 2.0, loss=1.0)]})
+    b = make_run(tmp_path / "b", {0: [rec(0, 1, 1.0, loss=2.5), rec(0, 2, 2.0, loss=1.5)]})
+    ax = labkit.plot_loss([a, b], labels=["1 rank", "2 ranks"])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["1 rank", "2 ranks"]
+    with pytest.raises(ValueError, match="labels has 1 entries for 2 run"):
+        labkit.plot_loss([a, b], labels=["only one"])
