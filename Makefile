@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine:
-#   make lab    create .venv if needed, install the course, start JupyterLab on the notebooks
+#   make lab    create .venv if needed, install the course, start JupyterLab in the course folder
 #   make test   the same set-up, then every test: unit, real 2-rank launches, notebooks in smoke mode
 # Run again, each skips the set-up that is already done.
 
@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.installed
 #   make lab TORCH="torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cu126"
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: lab test test-fast exercises bench clean-runs
+.PHONY: lab test test-fast exercises doctor bench clean-runs
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -e ".[test]"
 	@touch $(STAMP)
 
+# The course folder is the root, so that notebooks/, exercises/ and solutions/ are all in reach.
+# JupyterLab refuses to run as root (common in containers) unless told to: it is told, with a warning.
+AS_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab notebooks
+	@$(if $(AS_ROOT),echo "warning: running JupyterLab as root (a container?); prefer an ordinary user.")
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=. $(AS_ROOT)
 
 # LABKIT_SMOKE=1: notebooks run their smoke mode (tiny data, 2 CPU ranks at most).
 test: $(STAMP)
@@ -32,6 +36,14 @@ test: $(STAMP)
 # Unit tests only (no launches, no notebooks): seconds, for the edit-run loop.
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not launch and not notebook"
+
+# Regenerate exercises/ from solutions/ (a changed exercise is backed up to exercises/.backup/).
+exercises: $(STAMP)
+	$(PY) -m labkit.exercises generate
+
+# The set-up check for one seat of a workshop: prints the report, fails on a warning.
+doctor: $(STAMP)
+	$(PY) -c "import labkit, sys; report = labkit.doctor(); print(report); sys.exit(0 if report.ok else 1)"
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch_overhead.py

@@ -9,6 +9,11 @@ Notebook side (see each name's docstring)::
     sweep = labkit.sweep("scripts/02_ddp.py", nprocs=[1, 2], repeats=3)
     labkit.plot_speedup(sweep); labkit.plot_loss([run_a, run_b])
 
+Exercises (``exercises/``)::
+
+    labkit.check_ddp("scripts/ex02_ddp.py")    # launch the learner's script, say what is right
+    labkit.hint("02-ddp", 1)                   # progressive hints
+
 Script side (standard library only)::
 
     from labkit import metrics
@@ -45,8 +50,13 @@ _LAZY = {
     "ScriptError": "labkit._errors",
     "NoMetricsError": "labkit._errors",
     "RankFailure": "labkit._errors",
+    "Feedback": "labkit._feedback",
+    "check_hello": "labkit._checks",
+    "check_training_loop": "labkit._checks",
+    "check_ddp": "labkit._checks",
+    "hint": "labkit._hints",
 }
-_SUBMODULES = {"metrics", "data", "models"}
+_SUBMODULES = {"metrics", "data", "models", "exercises"}
 
 __all__ = sorted([*_LAZY, *_SUBMODULES])
 

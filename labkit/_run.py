@@ -76,6 +76,34 @@ class Run:
             )
         return cls(run_dir, json.loads(meta.read_text()))
 
+    def export(self, folder: str | os.PathLike) -> "Run":
+        """Copy what the charts need (run.json and every rank's metrics) to ``folder``.
+
+        The copy is small and all text, so it can be committed and shipped: an instructor
+        records reference runs on a GPU box, and learners without GPUs load them with
+        ``Run.load(folder)`` and plot them next to their own. Rank logs stay behind.
+
+        Returns:
+            the exported Run, loaded from ``folder``.
+
+        Raises:
+            FileExistsError: ``folder`` exists and is not empty (nothing is overwritten).
+
+        Example (README, for instructors)::
+
+            run.export("reference/02-ddp-8xH100")
+        """
+        target = Path(folder)
+        if target.exists() and any(target.iterdir()):
+            raise FileExistsError(f"{target} exists and is not empty. HINT: choose a new folder; "
+                                  f"nothing was overwritten.")
+        (target / "metrics").mkdir(parents=True, exist_ok=True)
+        for path in sorted((self.run_dir / "metrics").glob("rank*.jsonl")):
+            (target / "metrics" / path.name).write_bytes(path.read_bytes())
+        info = dict(self.info, exported_from=str(self.run_dir))
+        (target / "run.json").write_text(json.dumps(info, indent=2, default=str))
+        return Run.load(target)
+
     def save_info(self) -> None:
         """Write run.json atomically (the launcher calls this at start and end)."""
         tmp = self.run_dir / "run.json.tmp"

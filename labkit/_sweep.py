@@ -53,6 +53,22 @@ class Sweep:
         info = json.loads(meta.read_text())
         return cls(sweep_dir, info, [Run.load(sweep_dir / d) for d in info["runs"]])
 
+    def export(self, folder: str | os.PathLike) -> "Sweep":
+        """Copy the sweep (sweep.json and each run's ``Run.export``) to ``folder``, to ship it.
+
+        Raises:
+            FileExistsError: ``folder`` exists and is not empty.
+        """
+        target = Path(folder)
+        if target.exists() and any(target.iterdir()):
+            raise FileExistsError(f"{target} exists and is not empty. HINT: choose a new folder; "
+                                  f"nothing was overwritten.")
+        target.mkdir(parents=True, exist_ok=True)
+        for run in self.runs:
+            run.export(target / run.run_dir.name)
+        (target / "sweep.json").write_text(json.dumps(self.info, indent=2))
+        return Sweep.load(target)
+
     def table(self):
         """nproc, samples/s (median, min, max over repeats), speedup and efficiency.
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -54,3 +57,28 @@ def python(code: str, **kwargs) -> subprocess.Popen:
     """Start `python -c code` (this interpreter) in its own session."""
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
                             start_new_session=True, **kwargs)
+
+
+def copy_folder(name: str, dest: Path) -> Path:
+    """A copy of ROOT/name (without runs, data or checkpoints) for nbmake to overwrite."""
+    target = dest / name
+    shutil.copytree(ROOT / name, target,
+                    ignore=shutil.ignore_patterns("runs", "data", ".ipynb_checkpoints", ".backup"))
+    return target
+
+
+def execute(notebook: Path, *, timeout: int = 300) -> list[dict]:
+    """Execute ``notebook`` in place with nbmake in smoke mode; return its executed cells.
+
+    Fails the test with the end of nbmake's report if a cell raised. MPLBACKEND is unset
+    so that charts are kept as images, as in JupyterLab.
+    """
+    env = dict(os.environ, LABKIT_SMOKE="1")
+    env.pop("MPLBACKEND", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake",
+         "--overwrite", f"--nbmake-timeout={timeout}", str(notebook)],
+        cwd=notebook.parent, env=env, capture_output=True, text=True, timeout=3 * timeout,
+    )
+    assert result.returncode == 0, f"nbmake failed on {notebook.name}:\n{result.stdout[-6000:]}"
+    return json.loads(notebook.read_text())["cells"]

@@ -10,14 +10,12 @@ that would notice.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import copy_folder, execute
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -74,28 +72,15 @@ def test_lesson_spine(path):
 
 @pytest.fixture(scope="module")
 def notebook_copy(tmp_path_factory):
-    """A copy of notebooks/ (without runs or data) for nbmake to overwrite."""
-    dest = tmp_path_factory.mktemp("executed") / "notebooks"
-    shutil.copytree(ROOT / "notebooks", dest,
-                    ignore=shutil.ignore_patterns("runs", "data", ".ipynb_checkpoints"))
-    return dest
+    """A copy of notebooks/ for nbmake to overwrite."""
+    return copy_folder("notebooks", tmp_path_factory.mktemp("executed"))
 
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_executes_in_smoke_mode(path, notebook_copy):
-    copy = notebook_copy / path.name
-    env = dict(os.environ, LABKIT_SMOKE="1")
-    env.pop("MPLBACKEND", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake",
-         "--overwrite", "--nbmake-timeout=300", str(copy)],
-        cwd=notebook_copy, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, f"nbmake failed on {path.name}:\n{result.stdout[-6000:]}"
-
     launched = images = 0
-    for cell in _cells(copy):
+    for cell in execute(notebook_copy / path.name):
         if cell["cell_type"] != "code":
             continue
         outputs = cell.get("outputs", [])

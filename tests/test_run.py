@@ -111,3 +111,17 @@ def test_is_smoke_reads_the_environment(monkeypatch, value, smoke):
     import labkit
     monkeypatch.setenv("LABKIT_SMOKE", value)
     assert labkit.is_smoke() is smoke
+
+
+def test_export_copies_what_charts_need_and_never_overwrites(tmp_path):
+    run = make_run(tmp_path, {0: [rec(0, 1, 1.0, loss=2.0, samples=4), rec(0, 2, 2.0, loss=1.5, samples=4)],
+                              1: [rec(1, 1, 1.0, loss=2.2, samples=4), rec(1, 2, 2.0, loss=1.4, samples=4)]})
+    (run.run_dir / "torchrun").mkdir()
+    (run.run_dir / "torchrun" / "big.log").write_text("x" * 10_000)
+    shipped = run.export(tmp_path / "reference" / "02-ddp")
+    assert shipped.metrics().equals(run.metrics())
+    assert Run.load(tmp_path / "reference" / "02-ddp").name == run.name
+    assert sorted(p.name for p in shipped.run_dir.rglob("*") if p.is_file()) == [
+        "rank0.jsonl", "rank1.jsonl", "run.json"]
+    with pytest.raises(FileExistsError, match="not empty.*nothing was overwritten"):
+        run.export(tmp_path / "reference" / "02-ddp")

@@ -34,6 +34,10 @@ def test_sweep_table_speedup_and_reload(workdir, write_script):
     assert "held fixed" in sweep.caption
     again = labkit.Sweep.load(sweep.sweep_dir)
     assert again.table().equals(table)
+    shipped = sweep.export(workdir / "reference" / "tiny-sweep")
+    assert labkit.Sweep.load(shipped.sweep_dir).table().equals(table)
+    files = [p for p in shipped.sweep_dir.rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} == {".json", ".jsonl"}, "a shipped sweep is small text"
     ax = labkit.plot_speedup(sweep)
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "ideal (linear)" in labels and "efficiency" in labels

@@ -1,0 +1,80 @@
+"""Progressive hints for the exercises: the first nudges, the last all but says it.
+
+In an exercise notebook::
+
+    labkit.hint("02-ddp", 1)     # then 2, then 3
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+HINTS: dict[str, list[str]] = {
+    "00-hello": [
+        "torchrun puts three numbers in every process's environment: RANK, LOCAL_RANK and "
+        "WORLD_SIZE. os.environ gives strings, so convert them with int().",
+        "dist.init_process_group(backend) connects the ranks. Then make a one-element tensor "
+        "holding float(rank), on the rank's device, and pass it to dist.all_reduce.",
+        "all_reduce works in place: after dist.all_reduce(value), value holds the sum on every "
+        "rank. rank_sum = value.item().",
+    ],
+    "01-loop": [
+        "Gradients add up in .grad until something clears them. Clear them once per step, "
+        "before loss.backward(), with optimizer.zero_grad(set_to_none=True).",
+        "BatchNorm updates its running statistics on every forward pass in training mode. "
+        "Testing must not: model.eval() before the test loop, model.train() after it, and "
+        "torch.no_grad() around it so that no graph is built.",
+        "A window is --log-every steps: log its mean loss, (window_loss / args.log_every).item(), "
+        "and its samples, args.log_every * args.batch_size. To compare the ranks: results = "
+        "[None] * world_size; dist.all_gather_object(results, (accuracy, lr)); then max(results).",
+    ],
+    "02-ddp": [
+        "Start like lesson 00: the three numbers from the environment, the device from "
+        "LOCAL_RANK, then dist.init_process_group with 'nccl' on GPUs and 'gloo' on CPUs.",
+        "DistributedSampler(data.train, num_replicas=world_size, rank=rank, shuffle=True, seed=0, "
+        "drop_last=True) gives each rank its own share; pass it as sampler= to the DataLoader "
+        "(and then no shuffle=). Call sampler.set_epoch(epoch) at the top of every epoch.",
+        "Move the model to its device first, then DDP(model, device_ids=[local_rank]) on a GPU "
+        "(device_ids=None on the CPU). In evaluate(), dist.all_reduce(counts) before dividing. "
+        "Print only where rank == 0, and end with dist.destroy_process_group().",
+    ],
+}
+
+
+@dataclass(frozen=True)
+class Hint:
+    """One hint: shows as a short note in Jupyter, as text elsewhere."""
+
+    exercise: str
+    number: int
+    total: int
+    text: str
+
+    def __str__(self) -> str:
+        more = (f" (labkit.hint({self.exercise!r}, {self.number + 1}) for the next)"
+                if self.number < self.total else " (the last one; the full answer is in solutions/)")
+        return f"Hint {self.number} of {self.total} for {self.exercise}{more}:\n{self.text}"
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        head, body = str(self).split("\n", 1)
+        return (f"<div style='border-left:3px solid #9a6700;padding-left:8px'>"
+                f"<b>{html.escape(head)}</b><br>{html.escape(body)}</div>")
+
+
+def hint(exercise: str, number: int = 1) -> Hint:
+    """Hint ``number`` (1, 2, ...) for ``exercise``, e.g. ``labkit.hint("02-ddp", 1)``.
+
+    Raises:
+        ValueError: an unknown exercise (the message lists them), or a number out of range.
+    """
+    if exercise not in HINTS:
+        raise ValueError(f"no exercise {exercise!r}; the exercises are: {', '.join(sorted(HINTS))}. "
+                         f"HINT: the id is in the exercise notebook's title, e.g. '02-ddp'.")
+    texts = HINTS[exercise]
+    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= len(texts):
+        raise ValueError(f"{exercise} has hints 1 to {len(texts)}, not {number!r}. "
+                         f"HINT: after the last hint, read solutions/ for the full answer.")
+    return Hint(exercise, number, len(texts), texts[number - 1])

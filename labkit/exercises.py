@@ -1,0 +1,249 @@
+"""Exercises from solutions: one source, two notebooks.
+
+The notebooks in ``solutions/`` are the single source. Each region a learner
+should write is fenced with markers (nbgrader's, with an optional TODO)::
+
+    ### BEGIN SOLUTION: wrap the model in DDP, after moving it to its device
+    model = DDP(model, device_ids=...)
+    ### END SOLUTION
+
+``generate()`` writes ``exercises/`` from them: each region becomes a stub that
+says what to do and stops the script there::
+
+    # TODO: wrap the model in DDP, after moving it to its device
+    raise NotImplementedError("TODO: wrap the model in DDP, after moving it to its device")
+
+In a markdown cell the region becomes *Your answer here.* Outputs are
+cleared, and the result is the same, byte for byte, every time; a test
+regenerates the exercises and fails if they differ from what is committed.
+
+From a terminal (the Makefile's ``make exercises`` runs the first)::
+
+    python -m labkit.exercises generate          # solutions/*.ipynb -> exercises/*.ipynb
+    python -m labkit.exercises check             # exit 1 if exercises/ is out of date
+    python -m labkit.exercises restore 02        # back up exercises/02_*.ipynb, then regenerate it
+
+A learner's work is never lost: an exercise notebook that differs from what
+would be generated is copied to ``exercises/.backup/`` before it is replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["strip_solutions", "exercise_notebook", "generate", "stale", "restore", "main"]
+
+_BEGIN = re.compile(r"^(?P<indent>[ \t]*)### BEGIN SOLUTION(?::[ \t]*(?P<todo>.*?))?[ \t]*$")
+_END = re.compile(r"^[ \t]*### END SOLUTION[ \t]*$")
+_DEFAULT_TODO = "write this part"
+
+
+def strip_solutions(source: str, *, markdown: bool = False, where: str = "cell") -> str:
+    """Replace every solution region of one cell's source with its stub.
+
+    Args:
+        source: the cell's text.
+        markdown: True for a markdown cell (the stub is *Your answer here.*).
+        where: names the cell in error messages.
+
+    Raises:
+        ValueError: unbalanced or nested markers (with the line).
+    """
+    out: list[str] = []
+    opened = None
+    for number, line in enumerate(source.split("\n"), 1):
+        begin, end = _BEGIN.match(line), _END.match(line)
+        if begin:
+            if opened:
+                raise ValueError(f"{where}, line {number}: BEGIN SOLUTION inside another "
+                                 f"(opened on line {opened[0]}). HINT: close it with END SOLUTION first.")
+            opened = (number, begin["indent"], begin["todo"] or _DEFAULT_TODO)
+        elif end:
+            if not opened:
+                raise ValueError(f"{where}, line {number}: END SOLUTION without a BEGIN SOLUTION.")
+            _, indent, todo = opened
+            if markdown:
+                out.append(f"{indent}*Your answer here.*")
+            else:
+                out.append(f"{indent}# TODO: {todo}")
+                out.append(f"{indent}raise NotImplementedError({json.dumps('TODO: ' + todo, ensure_ascii=False)})")
+            opened = None
+        elif not opened:
+            out.append(line)
+    if opened:
+        raise ValueError(f"{where}, line {opened[0]}: BEGIN SOLUTION is never closed. "
+                         f"HINT: add ### END SOLUTION.")
+    return "\n".join(out)
+
+
+def _source(cell: dict) -> str:
+    src = cell.get("source", "")
+    return src if isinstance(src, str) else "".join(src)
+
+
+def dumps(nb: dict) -> str:
+    """A notebook as nbformat writes it: sorted keys, one-space indent, a final newline."""
+    return json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def exercise_notebook(solution: dict, *, name: str = "solution") -> dict:
+    """The exercise notebook for a solution notebook (a new dict; outputs cleared).
+
+    Raises:
+        ValueError: a solution region in a code cell that is not a ``%%writefile`` script
+            (its stub would stop the notebook before the check cell could say what is missing).
+    """
+    cells = []
+    for index, cell in enumerate(solution["cells"]):
+        kind, source = cell["cell_type"], _source(cell)
+        where = f"{name}, cell {index}"
+        if kind == "code" and not source.startswith("%%writefile") and \
+                any(_BEGIN.match(line) for line in source.split("\n")):
+            raise ValueError(f"{where}: a solution region outside a %%writefile script. HINT: put "
+                             f"it in the script (the check then reports the TODO) or in markdown.")
+        text = strip_solutions(source, markdown=kind == "markdown", where=where)
+        new = {key: value for key, value in cell.items() if key not in ("outputs", "execution_count")}
+        new["source"] = text.splitlines(keepends=True)
+        if kind == "code":
+            new["outputs"], new["execution_count"] = [], None
+        cells.append(new)
+    metadata = dict(solution.get("metadata", {}))
+    metadata["labkit"] = {"generated_from": f"solutions/{name}",
+                          "note": "generated by `make exercises`: edit the solution, not this file"}
+    return {**solution, "cells": cells, "metadata": metadata}
+
+
+def _root(root) -> Path:
+    if root is not None:
+        return Path(root)
+    here = Path(__file__).resolve().parent.parent
+    return here if (here / "solutions").is_dir() else Path.cwd()
+
+
+def _pairs(root: Path, which: str | None = None) -> list[tuple[Path, Path]]:
+    solutions = sorted((root / "solutions").glob("[0-9][0-9]_*.ipynb"))
+    if not solutions:
+        raise FileNotFoundError(f"no solution notebooks in {root / 'solutions'}. "
+                                f"HINT: run this from the course's folder.")
+    if which is not None:
+        chosen = [p for p in solutions if p.name.startswith(which) or p.stem == which]
+        if not chosen:
+            names = ", ".join(p.stem for p in solutions)
+            raise ValueError(f"no exercise {which!r}; there are: {names}. HINT: e.g. '02' or '02_ddp'.")
+        solutions = chosen
+    return [(s, root / "exercises" / s.name) for s in solutions]
+
+
+def _render(solution: Path) -> str:
+    nb = json.loads(solution.read_text(encoding="utf-8"))
+    return dumps(exercise_notebook(nb, name=solution.name))
+
+
+def _back_up(path: Path) -> Path:
+    folder = path.parent / ".backup"
+    folder.mkdir(exist_ok=True)
+    backup = folder / f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}.ipynb"
+    n = 1
+    while backup.exists():
+        n += 1
+        backup = folder / f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}-{n}.ipynb"
+    shutil.copy2(path, backup)
+    return backup
+
+
+def generate(root=None, *, which: str | None = None) -> list[Path]:
+    """Write ``exercises/NN_*.ipynb`` from ``solutions/NN_*.ipynb``; return the files changed.
+
+    A notebook that already holds exactly what would be written is left alone; one that
+    differs is first copied to ``exercises/.backup/``.
+    """
+    changed = []
+    for solution, exercise in _pairs(_root(root), which):
+        text = _render(solution)
+        if exercise.exists():
+            if exercise.read_text(encoding="utf-8") == text:
+                continue
+            _back_up(exercise)
+        exercise.parent.mkdir(exist_ok=True)
+        exercise.write_text(text, encoding="utf-8")
+        changed.append(exercise)
+    return changed
+
+
+def stale(root=None) -> list[Path]:
+    """Exercise notebooks that are missing or differ from what ``generate`` would write."""
+    return [exercise for solution, exercise in _pairs(_root(root))
+            if not exercise.exists() or exercise.read_text(encoding="utf-8") != _render(solution)]
+
+
+def _committed(root: Path, which: str) -> tuple[Path, str]:
+    """(exercise path, its text as last committed): for a hand-out without solutions/."""
+    matches = sorted((root / "exercises").glob(f"{which}*.ipynb"))
+    if len(matches) != 1:
+        raise ValueError(f"no single exercise {which!r} in {root / 'exercises'}. HINT: e.g. '02'.")
+    exercise = matches[0]
+    try:
+        text = subprocess.run(["git", "show", f"HEAD:exercises/{exercise.name}"], cwd=root,
+                              capture_output=True, text=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        raise FileNotFoundError(
+            f"cannot restore {exercise.name}: there is no solutions/ folder to regenerate it from, "
+            f"and no git history to take it from. HINT: ask for a fresh copy of the course."
+        ) from None
+    return exercise, text
+
+
+def restore(which: str, root=None) -> Path | None:
+    """Put exercise ``which`` (e.g. ``"02"``) back as it was handed out.
+
+    The original comes from ``solutions/`` when the course has it, else from git (the last
+    committed version). Returns the backup of your version (None if it was unchanged).
+    Reopen the notebook afterwards (JupyterLab: File → Reload Notebook from Disk).
+    """
+    root = _root(root)
+    if (root / "solutions").is_dir():
+        (solution, exercise), = _pairs(root, which)
+        original = _render(solution)
+    else:
+        exercise, original = _committed(root, which)
+    backup = None
+    if exercise.exists() and exercise.read_text(encoding="utf-8") != original:
+        backup = _back_up(exercise)
+    exercise.write_text(original, encoding="utf-8")
+    return backup
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labkit.exercises",
+                                     description="Exercises generated from solutions.")
+    parser.add_argument("--root", default=None, help="the course folder (holds solutions/)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("generate", help="write exercises/ from solutions/")
+    sub.add_parser("check", help="exit 1 if exercises/ is out of date")
+    rest = sub.add_parser("restore", help="restore one exercise notebook (your version is backed up)")
+    rest.add_argument("which", help="the exercise's number or name, e.g. 02 or 02_ddp")
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        changed = generate(args.root)
+        print("\n".join(f"wrote {p}" for p in changed) or "exercises are up to date")
+    elif args.command == "check":
+        out_of_date = stale(args.root)
+        if out_of_date:
+            print("out of date (run `make exercises`):\n" + "\n".join(f"  {p}" for p in out_of_date))
+            return 1
+        print("exercises are up to date")
+    else:
+        backup = restore(args.which, args.root)
+        print(f"restored exercise {args.which}" + (f"; your version is in {backup}" if backup else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

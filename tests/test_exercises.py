@@ -1,0 +1,181 @@
+"""Exercises from solutions: the generator, the committed copies in sync, and both executed.
+
+Solutions executed by nbmake must pass every check; exercises executed unmodified must run
+to their check cells, which report the unfinished work (a TODO) and nothing broken.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from labkit import exercises
+from labkit._feedback import MIME
+from conftest import ROOT, copy_folder, execute
+
+SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+LESSONS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+# -- the generator ---------------------------------------------------------------------------
+def test_a_region_becomes_a_stub_with_its_todo_at_its_indent():
+    source = ("def f():\n"
+              "    ### BEGIN SOLUTION: return the answer\n"
+              "    return 42\n"
+              "    ### END SOLUTION\n"
+              "print(f())")
+    assert exercises.strip_solutions(source) == (
+        "def f():\n"
+        "    # TODO: return the answer\n"
+        '    raise NotImplementedError("TODO: return the answer")\n'
+        "print(f())")
+
+
+def test_a_region_without_a_todo_gets_a_plain_one_and_markdown_gets_an_answer_line():
+    assert exercises.strip_solutions("### BEGIN SOLUTION\nx = 1\n### END SOLUTION") == (
+        '# TODO: write this part\nraise NotImplementedError("TODO: write this part")')
+    text = "**Answer:**\n\n### BEGIN SOLUTION\nThree.\n### END SOLUTION"
+    assert exercises.strip_solutions(text, markdown=True) == "**Answer:**\n\n*Your answer here.*"
+
+
+@pytest.mark.parametrize("source, match", [
+    ("### BEGIN SOLUTION\nx = 1", r"line 1: BEGIN SOLUTION is never closed"),
+    ("x = 1\n### END SOLUTION", r"line 2: END SOLUTION without a BEGIN"),
+    ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION", r"line 2: BEGIN SOLUTION inside another"),
+])
+def test_unbalanced_markers_are_a_clear_error(source, match):
+    with pytest.raises(ValueError, match=match):
+        exercises.strip_solutions(source, where="02_ddp.ipynb, cell 3")
+
+
+def _notebook(*cells):
+    return {"cells": [{"cell_type": kind, "metadata": {}, "source": text,
+                       **({"outputs": [{"output_type": "stream", "name": "stdout", "text": "x"}],
+                           "execution_count": 3} if kind == "code" else {})}
+                      for kind, text in cells],
+            "metadata": {"kernelspec": {"name": "python3"}}, "nbformat": 4, "nbformat_minor": 5}
+
+
+def test_a_region_outside_a_script_is_refused():
+    nb = _notebook(("code", "### BEGIN SOLUTION\nanswer = 3\n### END SOLUTION"))
+    with pytest.raises(ValueError, match=r"cell 0: a solution region outside a %%writefile script"):
+        exercises.exercise_notebook(nb)
+
+
+def test_exercise_notebooks_have_no_outputs_and_say_where_they_come_from():
+    nb = _notebook(("code", "%%writefile s.py\n### BEGIN SOLUTION\nx = 1\n### END SOLUTION\n"),
+                   ("code", "print(1)"))
+    out = exercises.exercise_notebook(nb, name="09_x.ipynb")
+    assert all(c["outputs"] == [] and c["execution_count"] is None for c in out["cells"])
+    assert nb["cells"][1]["outputs"], "the solution itself is left untouched"
+    assert out["metadata"]["labkit"]["generated_from"] == "solutions/09_x.ipynb"
+
+
+@pytest.fixture
+def course(tmp_path):
+    """A course folder with one solution notebook."""
+    (tmp_path / "solutions").mkdir()
+    nb = _notebook(("markdown", "# Exercise 07"),
+                   ("code", "%%writefile s.py\n### BEGIN SOLUTION: add\nx = 1 + 1\n### END SOLUTION\n"))
+    (tmp_path / "solutions" / "07_demo.ipynb").write_text(json.dumps(nb))
+    return tmp_path
+
+
+def test_generating_twice_gives_the_same_bytes(course):
+    assert exercises.generate(course) == [course / "exercises" / "07_demo.ipynb"]
+    first = (course / "exercises" / "07_demo.ipynb").read_bytes()
+    assert exercises.generate(course) == []
+    assert (course / "exercises" / "07_demo.ipynb").read_bytes() == first
+    assert b"TODO: add" in first and b"1 + 1" not in first
+
+
+def test_a_learners_work_is_backed_up_before_it_is_replaced(course):
+    exercises.generate(course)
+    mine = course / "exercises" / "07_demo.ipynb"
+    mine.write_text(mine.read_text().replace("TODO: add", "TODO: add (I tried x = 2)"))
+    assert exercises.stale(course) == [mine]
+    backup = exercises.restore("07", course)
+    assert "I tried x = 2" in backup.read_text() and backup.parent.name == ".backup"
+    assert exercises.stale(course) == []
+    assert exercises.restore("07", course) is None, "nothing to back up when unchanged"
+
+
+def test_a_hand_out_without_solutions_restores_from_git(course):
+    import subprocess
+
+    exercises.generate(course)
+    shutil.rmtree(course / "solutions")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(course)]
+    subprocess.run(git[:5] + ["init", "-q", str(course)], check=True)
+    subprocess.run(git + ["add", "exercises"], check=True)
+    subprocess.run(git + ["commit", "-qm", "hand-out"], check=True)
+    mine = course / "exercises" / "07_demo.ipynb"
+    original = mine.read_text()
+    mine.write_text(original.replace("TODO: add", "my attempt"))
+    backup = exercises.restore("07", course)
+    assert mine.read_text() == original and "my attempt" in backup.read_text()
+
+
+def test_without_solutions_or_git_restore_says_what_to_do(course):
+    exercises.generate(course)
+    shutil.rmtree(course / "solutions")
+    with pytest.raises(FileNotFoundError, match="no solutions/ folder.*no git history"):
+        exercises.restore("07", course)
+
+
+def test_restore_names_the_exercises_when_one_is_unknown(course):
+    with pytest.raises(ValueError, match=r"no exercise '99'; there are: 07_demo"):
+        exercises.restore("99", course)
+
+
+def test_the_command_line_check_fails_while_exercises_are_stale(course, capsys):
+    assert exercises.main(["--root", str(course), "check"]) == 1
+    assert "out of date" in capsys.readouterr().out
+    assert exercises.main(["--root", str(course), "generate"]) == 0
+    assert exercises.main(["--root", str(course), "check"]) == 0
+
+
+# -- the course's own exercises ------------------------------------------------------------------
+def test_every_lesson_has_a_solution_and_an_exercise():
+    assert [p.name for p in SOLUTIONS] == [p.name for p in LESSONS]
+    for lesson in LESSONS:
+        assert (ROOT / "exercises" / lesson.name).is_file(), f"exercises/{lesson.name} is missing"
+
+
+def test_committed_exercises_are_what_the_solutions_generate():
+    assert exercises.stale(ROOT) == [], "exercises/ is out of date: run `make exercises`"
+
+
+def _feedback(cells: list[dict]) -> list[dict]:
+    return [o["data"][MIME] for c in cells if c["cell_type"] == "code"
+            for o in c.get("outputs", []) if MIME in o.get("data", {})]
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("practice")
+    return {name: copy_folder(name, root) for name in ("solutions", "exercises")}
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_a_solution_passes_every_check(path, executed):
+    found = _feedback(execute(executed["solutions"] / path.name))
+    assert found, f"solutions/{path.name} shows no check"
+    for feedback in found:
+        assert feedback["status"] == "passed", feedback
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_an_untouched_exercise_runs_to_its_check_which_reports_the_todo(path, executed):
+    found = _feedback(execute(executed["exercises"] / path.name))
+    assert found, f"exercises/{path.name} shows no check"
+    first = found[0]
+    assert first["status"] == "unfinished", first
+    todo = [text for status, text in first["items"] if status == "todo"]
+    assert todo and re.match(r"TODO: .+ \(scripts/\S+\.py, line \d+\)$", todo[0]), first
