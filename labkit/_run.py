@@ -14,6 +14,16 @@ from labkit._tail import LineTail, parse_records
 STAMP_COLUMNS = ["rank", "step", "time", "restart", "world_size"]
 
 
+def new_folder(folder: str | os.PathLike) -> Path:
+    """Create ``folder`` for an export; FileExistsError if it holds anything (nothing is overwritten)."""
+    target = Path(folder)
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target} exists and is not empty. HINT: choose a new folder; "
+                              f"nothing was overwritten.")
+    target.mkdir(parents=True, exist_ok=True)
+    return target
+
+
 def rank_log_paths(run_dir: Path, rank: int) -> list[Path]:
     """The rank's stdout files, one per torchrun attempt, oldest first."""
     pattern = os.path.join(run_dir, "torchrun", "*", "attempt_*", str(rank), "stdout.log")
@@ -93,11 +103,8 @@ class Run:
 
             run.export("reference/02-ddp-8xH100")
         """
-        target = Path(folder)
-        if target.exists() and any(target.iterdir()):
-            raise FileExistsError(f"{target} exists and is not empty. HINT: choose a new folder; "
-                                  f"nothing was overwritten.")
-        (target / "metrics").mkdir(parents=True, exist_ok=True)
+        target = new_folder(folder)
+        (target / "metrics").mkdir()
         for path in sorted((self.run_dir / "metrics").glob("rank*.jsonl")):
             (target / "metrics" / path.name).write_bytes(path.read_bytes())
         info = dict(self.info, exported_from=str(self.run_dir))

@@ -11,7 +11,7 @@ from labkit import _hardware
 from labkit._launch import launch, make_run_dir, safe_name
 from labkit._plan import check_nproc, plan, resolve_device
 from labkit._live import in_notebook
-from labkit._run import Run
+from labkit._run import Run, new_folder
 
 
 class Sweep:
@@ -59,11 +59,7 @@ class Sweep:
         Raises:
             FileExistsError: ``folder`` exists and is not empty.
         """
-        target = Path(folder)
-        if target.exists() and any(target.iterdir()):
-            raise FileExistsError(f"{target} exists and is not empty. HINT: choose a new folder; "
-                                  f"nothing was overwritten.")
-        target.mkdir(parents=True, exist_ok=True)
+        target = new_folder(folder)
         for run in self.runs:
             run.export(target / run.run_dir.name)
         (target / "sweep.json").write_text(json.dumps(self.info, indent=2))
