@@ -9,10 +9,11 @@ Notebook side (see each name's docstring)::
     sweep = labkit.sweep("scripts/02_ddp.py", nprocs=[1, 2], repeats=3)
     labkit.plot_speedup(sweep); labkit.plot_loss([run_a, run_b])
 
-Script side (standard library only)::
+Script side::
 
-    from labkit import metrics
+    from labkit import metrics                 # standard library only
     metrics.log(step, loss=loss.item(), samples=n)
+    from labkit import checkpoint, memory      # torch: atomic saves, RNG states; bytes measured
 
 Names load lazily, so a rank that only imports ``labkit.metrics`` does not pay
 for pandas or matplotlib.
@@ -46,7 +47,7 @@ _LAZY = {
     "NoMetricsError": "labkit._errors",
     "RankFailure": "labkit._errors",
 }
-_SUBMODULES = {"metrics", "data", "models"}
+_SUBMODULES = {"metrics", "data", "models", "checkpoint", "memory"}
 
 __all__ = sorted([*_LAZY, *_SUBMODULES])
 
