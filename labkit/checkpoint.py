@@ -50,8 +50,20 @@ def step_path(folder, step: int) -> Path:
 
     Zero-padded, so that names sort in step order too.
 
+    Args:
+        folder: the checkpoint folder.
+        step: the optimiser step the state is saved at.
+
+    Returns:
+        the Path (the file need not exist).
+
     Raises:
+        TypeError: ``folder`` is not a path.
         ValueError: ``step`` is not an int >= 0.
+
+    Example (lesson 05)::
+
+        checkpoint.step_path("checkpoints/05", 40)   # checkpoints/05/step_00000040.pt
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}. "
@@ -168,8 +180,19 @@ def prune(folder, *, keep: int) -> list[Path]:
 
     Call it after ``save_atomic`` on the saving rank only. Temporary files are left alone.
 
+    Args:
+        folder: the checkpoint folder.
+        keep: how many of the newest ``step_*.pt`` files to keep.
+
+    Returns:
+        the deleted paths, oldest first.
+
     Raises:
         ValueError: ``keep`` is not an int >= 1 (keeping none would delete the one just saved).
+
+    Example (lesson 05)::
+
+        checkpoint.prune(args.ckpt_dir, keep=2)   # the newest two: one survives a crash mid-save
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}. "
@@ -213,6 +236,10 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Restore what ``rng_state`` captured (tensors may come back on any device).
+
+    Args:
+        state: the dict ``rng_state`` returned, e.g. from a checkpoint loaded with
+            ``map_location`` (the tensors are moved back to the CPU here).
 
     Raises:
         TypeError: ``state`` is not a dict from ``rng_state``.

@@ -26,7 +26,12 @@ __all__ = ["SavedTensorMeter", "ModelBytes", "model_bytes", "tensor_bytes", "loc
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: ``t.to_local()`` for a DTensor, ``t`` itself otherwise."""
+    """This rank's part of ``t``: ``t.to_local()`` for a DTensor, ``t`` itself otherwise.
+
+    Example (lesson 06)::
+
+        memory.local_tensor(model.blocks[0].fc1.weight).shape   # (512, 256) on each of 2 ranks
+    """
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 
@@ -38,13 +43,22 @@ def tensor_bytes(tensors) -> int:
     Allocator rounding, and FSDP's padding of a shard whose rows do not divide
     evenly, are not included.
 
+    Args:
+        tensors: a tensor, or an iterable of tensors (``model.parameters()``).
+
+    Returns:
+        the number of bytes, an int.
+
     Raises:
         TypeError: an item is not a tensor.
 
-    Example::
+    Example (lessons 05 and 06)::
 
         memory.tensor_bytes([torch.zeros(10, dtype=torch.float32)])   # 40
     """
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    tensors = list(tensors)  # all alive at once: no two of them can share an id()
     seen, total = set(), 0
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -152,7 +166,7 @@ class SavedTensorMeter:
             loss = F.cross_entropy(model(x), y)
         print(meter.bytes, "bytes held for backward")
         loss.backward()
-        assert meter.held_bytes() == 0   # backward freed them
+        meter.held_bytes()   # now only what you still hold yourself: x (and y)
     """
 
     def __init__(self, *, exclude=(), modules: dict | None = None):
@@ -174,9 +188,7 @@ class SavedTensorMeter:
 
     def _reset(self) -> None:
         self._storages: dict = {}   # key -> [nbytes, module name, weakrefs to saved tensors]
-        self._retired = 0           # bytes of storages freed whose address was reused
-        self._retired_count = 0
-        self._retired_by_module: dict = {}
+        self._retired: list = []    # [nbytes, module name] of storages freed, address reused
         self.packed = 0
         self._stack: list = []
         self._handles: list = []
@@ -197,19 +209,13 @@ class SavedTensorMeter:
             return t
         entry = self._storages.get(key)
         if entry is not None and not any(ref() is not None for ref in entry[2]):
-            self._retire(key)   # the old storage is gone; this address holds a new one
+            self._retired.append(self._storages.pop(key)[:2])  # gone; the address holds a new one
             entry = None
         if entry is None:
             owner = self._stack[-1] if self._stack else "other"
             entry = self._storages[key] = [nbytes, owner, []]
         entry[2].append(weakref.ref(t))
         return t
-
-    def _retire(self, key) -> None:
-        nbytes, owner, _ = self._storages.pop(key)
-        self._retired += nbytes
-        self._retired_count += 1
-        self._retired_by_module[owner] = self._retired_by_module.get(owner, 0) + nbytes
 
     def __enter__(self) -> "SavedTensorMeter":
         self._reset()
@@ -235,19 +241,21 @@ class SavedTensorMeter:
             handle.remove()
         self._handles = []
 
+    def _counted(self) -> list:
+        return self._retired + [entry[:2] for entry in self._storages.values()]
+
     @property
     def bytes(self) -> int:
-        return self._retired + sum(entry[0] for entry in self._storages.values())
+        return sum(nbytes for nbytes, _ in self._counted())
 
     @property
     def storages(self) -> int:
-        return self._retired_count + len(self._storages)
+        return len(self._counted())
 
     @property
     def by_module(self) -> dict:
         out = {name: 0 for name in self._modules}
-        out.update({k: v for k, v in self._retired_by_module.items()})
-        for nbytes, owner, _ in self._storages.values():
+        for nbytes, owner in self._counted():
             out[owner] = out.get(owner, 0) + nbytes
         return out
 
@@ -263,7 +271,14 @@ class SavedTensorMeter:
 
 # -- CUDA -----------------------------------------------------------------------------------
 def reset_cuda_peak(device=None) -> None:
-    """Start a new peak for ``cuda_peak_bytes`` (does nothing without CUDA)."""
+    """Start a new peak for ``cuda_peak_bytes`` (does nothing without CUDA, or before CUDA is used).
+
+    Example (lessons 05 and 06)::
+
+        memory.reset_cuda_peak(device)
+        train_step()
+        peak = memory.cuda_peak_bytes(device)   # None on a CPU
+    """
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -274,6 +289,12 @@ def cuda_peak_bytes(device=None) -> int | None:
     ``torch.cuda.max_memory_allocated``: tensors only, not the allocator's
     reserve nor the CUDA context. None (not 0) where there is no GPU, so a
     chart or check can say "not measured" instead of drawing a false zero.
+
+    Args:
+        device: the GPU (default: the current one).
+
+    Returns:
+        bytes as an int, or None without CUDA (or before this process has used it).
     """
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None

@@ -116,6 +116,32 @@ def test_held_bytes_drop_to_zero_after_backward():
     assert meter.held_bytes() == 4000
 
 
+def test_a_freed_storage_whose_address_is_reused_counts_again():
+    x = torch.randn(1000, requires_grad=True)
+    with memory.SavedTensorMeter() as meter:
+        for _ in range(3):                        # each loop frees the last graph: the allocator
+            loss = (x + 1).sin().sum()            # may hand the same address to the new x + 1
+    assert (meter.bytes, meter.storages) == (3 * 4000, 3)   # three graphs, whatever the addresses
+    assert meter.held_bytes() == 4000             # only the last one is still alive
+    loss.backward()
+
+
+def test_address_reuse_is_told_apart_from_the_same_storage(monkeypatch):
+    """Every storage at one address, as if the allocator reused it: alive = same, freed = new."""
+    monkeypatch.setattr(memory.SavedTensorMeter, "_key",
+                        staticmethod(lambda t: (("cpu", 1), t.numel() * t.element_size())))
+    x = torch.randn(1000, requires_grad=True)
+    with memory.SavedTensorMeter() as meter:
+        first = (x + 1).sin()                     # saves x + 1 at "address 1"
+        also = (x + 2).sin()                      # alive at the same "address": taken as the same
+        assert (meter.bytes, meter.storages) == (4000, 1)
+        del first, also                           # both graphs freed
+        last = (x + 3).sin()                      # a new storage at the old address
+    assert (meter.bytes, meter.storages) == (8000, 2)
+    assert meter.held_bytes() == 4000
+    last.sum().backward()
+
+
 def test_meter_sees_checkpoint_keep_only_its_input():
     x = torch.randn(1000, requires_grad=True)
     a = x + 1                                     # add saves nothing
