@@ -147,7 +147,7 @@ while step < total_steps:
             window_loss.zero_()
         if step == args.crash_at_step and rank == args.crash_rank and restart == 0:
             raise RuntimeError(f"fault drill: rank {rank} crashes at step {step}")
-        if step % args.ckpt_every == 0 or step == total_steps:
+        if step % args.ckpt_every == 0:
             done = batch_in_epoch == steps_per_epoch  # an epoch ends: resume at the next one
             save_checkpoint(step, epoch + done, 0 if done else batch_in_epoch)
             if args.naive_save:  # the pitfall: every rank, the wrapper, no temporary file
