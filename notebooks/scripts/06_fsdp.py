@@ -143,7 +143,8 @@ for epoch in range(args.epochs):
             window_loss.zero_()
 metrics.log(step, peak_cuda_bytes=memory.cuda_peak_bytes(device))  # None on CPU
 if master:
-    print(f"{args.strategy} on {world_size} rank(s): {step} steps, last loss {loss.item():.3f}")
+    print(f"{args.strategy if ddp else 'no torchrun'} on {world_size} rank(s): {step} steps, "
+          f"last loss {loss.item():.3f}")
 
 if args.naive_save and master:  # the pitfall: under FSDP this holds rank 0's shards only
     torch.save(model.state_dict(), args.naive_save)
