@@ -14,10 +14,11 @@ Exercises (``exercises/``)::
     labkit.check_ddp("scripts/ex02_ddp.py")    # launch the learner's script, say what is right
     labkit.hint("02-ddp", 1)                   # progressive hints
 
-Script side (standard library only)::
+Script side::
 
-    from labkit import metrics
+    from labkit import metrics                 # standard library only
     metrics.log(step, loss=loss.item(), samples=n)
+    from labkit import checkpoint, memory      # torch: atomic saves, RNG states; bytes measured
 
 Names load lazily, so a rank that only imports ``labkit.metrics`` does not pay
 for pandas or matplotlib.
@@ -56,7 +57,7 @@ _LAZY = {
     "check_ddp": "labkit._checks",
     "hint": "labkit._hints",
 }
-_SUBMODULES = {"metrics", "data", "models", "exercises"}
+_SUBMODULES = {"metrics", "data", "models", "checkpoint", "memory", "exercises"}
 
 __all__ = sorted([*_LAZY, *_SUBMODULES])
 

@@ -1,12 +1,13 @@
-"""The lessons' model: a small ResNet-style CNN with BatchNorm (or GroupNorm), for 32×32 RGB images.
+"""The lessons' models, for 32×32 RGB images: a small ResNet-style CNN, and a residual MLP stack.
 
-Lesson 01 shows this code; later lessons import it::
+Lesson 01 shows the CNN; later lessons import it::
 
     from labkit.models import SmallResNet
     model = SmallResNet(width=32)
 
 ``model.blocks`` holds the residual blocks in order: lesson 05 wraps the heavy
-ones in activation checkpointing, lesson 06 shards each with ``fully_shard``.
+ones in activation checkpointing. Lesson 06 shards each block of ``MLPStack``
+with ``fully_shard``: its memory is in its parameters, which is what FSDP shards.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["BasicBlock", "SmallResNet", "count_parameters"]
+__all__ = ["BasicBlock", "SmallResNet", "MLPBlock", "MLPStack", "count_parameters"]
 
 
 NORMS = ("batch", "group")
@@ -90,6 +91,50 @@ class SmallResNet(nn.Module):
             nn.Flatten(),
             nn.Linear(4 * width, num_classes),
         )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))
+
+
+class MLPBlock(nn.Module):
+    """A transformer's feed-forward half: LayerNorm → Linear(d, 4d) → GELU → Linear(4d, d), plus the input."""
+
+    def __init__(self, dim: int, expansion: int = 4):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, expansion * dim)
+        self.fc2 = nn.Linear(expansion * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class MLPStack(nn.Module):
+    """Flattened image → Linear(3072, dim) → ``depth`` MLPBlocks → LayerNorm → Linear(dim, classes).
+
+    Nearly all its memory is parameters (8·dim² per block), few activations:
+    the model for lesson 06, where FSDP shards parameters, gradients and
+    optimiser state. dim=256, depth=4 has 2.9 M parameters; dim=1024, depth=8 has 70 M.
+
+    Args:
+        num_classes: outputs of the head.
+        dim: width of the residual stream.
+        depth: number of blocks (``model.blocks``).
+        in_features: inputs per sample (3·32·32 for CIFAR-sized images).
+
+    Raises:
+        ValueError: ``dim`` or ``depth`` below 1.
+    """
+
+    def __init__(self, num_classes: int = 10, dim: int = 256, depth: int = 4,
+                 in_features: int = 3 * 32 * 32):
+        super().__init__()
+        if dim < 1 or depth < 1:
+            raise ValueError(f"dim and depth must be >= 1, got dim={dim}, depth={depth}. "
+                             f"HINT: MLPStack(dim=256, depth=4) is the smoke-mode size.")
+        self.stem = nn.Sequential(nn.Flatten(), nn.Linear(in_features, dim))
+        self.blocks = nn.Sequential(*[MLPBlock(dim) for _ in range(depth)])
+        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(self.stem(x)))
