@@ -295,48 +295,55 @@ def _resume_pieces(feedback: Feedback, saved: dict, after: dict, step: int) -> l
     """
     fixes = []
     ranks = [r for r in sorted(after) if r in saved]
+    if not ranks:
+        return fixes
 
     def differ(*columns):
         return [r for r in ranks if any(after[r][c] != saved[r][c] for c in columns)]
 
+    def on(wrong):
+        return _on(wrong, len(ranks))
+
     wrong = differ("weights_fp")
-    if not feedback.expect(not wrong, f"after the restart every rank holds exactly the weights saved at step {step}",
-                           f"after the restart the weights on {_on(wrong, len(ranks))} are not those saved at step {step}: "
-                           f"save model.module.state_dict() and load it back into model.module on every rank."):
+    if not feedback.expect(not wrong, f"after the restart every rank holds exactly the weights saved at "
+                                      f"step {step}",
+                           f"after the restart the weights on {on(wrong)} are not those saved at step "
+                           f"{step}: save model.module.state_dict() and load it back into model.module on "
+                           f"every rank."):
         fixes.append("restore the model's weights on every rank")
     wrong = differ("momentum_fp")
     empty = " (it starts empty)" if any(after[r]["momentum_fp"] == 0 for r in wrong) else ""
     if not feedback.expect(not wrong, "the optimizer's momentum came back as it was",
-                           f"the optimizer's momentum on {_on(wrong, len(ranks))} is not what it was at step {step}{empty}: "
-                           f"save optimizer.state_dict() and restore it with optimizer.load_state_dict(...); "
-                           f"without it, SGD's next steps point elsewhere."):
+                           f"the optimizer's momentum on {on(wrong)} is not what it was at step {step}"
+                           f"{empty}: save optimizer.state_dict() and restore it with "
+                           f"optimizer.load_state_dict(...); without it, SGD's next steps point elsewhere."):
         fixes.append("save and restore the optimizer's state (its momentum) too")
     wrong = differ("rng_fp")
     borrowed = [r for r in wrong if r != 0 and 0 in saved and after[r]["rng_fp"] == saved[0]["rng_fp"]]
     if not wrong:
         feedback.ok("each rank's random stream goes on where it was, so the random flips repeat")
     elif borrowed:
-        feedback.fail(f"{_on(borrowed, len(ranks))} went on with rank 0's random stream, not its own: each rank draws its "
-                      f"own flips, so gather every rank's checkpoint.rng_state() on rank 0 "
+        feedback.fail(f"{on(borrowed)} went on with rank 0's random stream, not its own: each rank draws "
+                      f"its own flips, so gather every rank's checkpoint.rng_state() on rank 0 "
                       f"(dist.gather_object) and restore state['rng'][rank] on each rank.")
         fixes.append("restore each rank's own RNG state")
     else:
-        feedback.fail(f"the random stream on {_on(wrong, len(ranks))} does not go on where it was at step {step}: save "
-                      f"every rank's checkpoint.rng_state() and restore it with checkpoint.set_rng_state(...), "
-                      f"or the random flips differ.")
+        feedback.fail(f"the random stream on {on(wrong)} does not go on where it was at step {step}: "
+                      f"save every rank's checkpoint.rng_state() and restore it with "
+                      f"checkpoint.set_rng_state(...), or the random flips differ.")
         fixes.append("save and restore every rank's RNG state")
     wrong = differ("epoch", "batch_in_epoch")
     if not wrong:
         where = saved[ranks[0]]
-        feedback.ok(f"the sampler goes on at epoch {where['epoch']:.0f}, batch {where['batch_in_epoch']:.0f}, "
-                    f"where the run was at step {step}")
+        feedback.ok(f"the sampler goes on at epoch {where['epoch']:.0f}, batch "
+                    f"{where['batch_in_epoch']:.0f}, where the run was at step {step}")
     else:
-        r = wrong[0]
-        feedback.fail(f"after the restart rank {r} starts at epoch {after[r]['epoch']:.0f}, batch "
-                      f"{after[r]['batch_in_epoch']:.0f}, but at step {step} it was at epoch "
-                      f"{saved[r]['epoch']:.0f}, batch {saved[r]['batch_in_epoch']:.0f}: save epoch and "
-                      f"batch_in_epoch, and restore both (the loop sets the sampler from them), or the run "
-                      f"trains on other batches than it would have.")
+        was, now = saved[wrong[0]], after[wrong[0]]
+        feedback.fail(f"after the restart {on(wrong)} started at epoch {now['epoch']:.0f}, batch "
+                      f"{now['batch_in_epoch']:.0f}, but at step {step} the run was at epoch "
+                      f"{was['epoch']:.0f}, batch {was['batch_in_epoch']:.0f}: save epoch and "
+                      f"batch_in_epoch, and restore both (the loop sets the sampler from them), or the "
+                      f"run trains on other batches than it would have.")
         fixes.append("save and restore the sampler's epoch and position")
     return fixes
 
@@ -351,6 +358,18 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout: float = 300,
     rank crashing at step 14 and ``max_restarts=1``. Compares what each rank logged right after
     resuming with what it logged when the checkpoint was saved, piece by piece; then every
     step's loss, and the final checkpoints of both runs.
+
+    Args:
+        target: the exercise's script (a finished Run will not do: the check needs two launches).
+        timeout: seconds each launch may take.
+        ckpt_dir: where the two runs' checkpoint folders go (emptied first).
+
+    Returns:
+        a Feedback; a mistake in the script is a finding, never an exception.
+
+    Example (exercises/05_checkpointing.ipynb)::
+
+        labkit.check_resume("scripts/ex05_resume.py")
     """
     import shutil
     from pathlib import Path
@@ -450,7 +469,8 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout: float = 300,
                               "you save with everything the loop changes") + "."):
         return feedback
     _, final, error = _load_latest(folders["drill"])
-    if final is not None:  # Python's and NumPy's RNGs are seeded by chance in each run: tensors of numbers only
+    if final is not None:
+        # Tensors of numbers only: Python's and NumPy's RNGs start from a random seed in each run.
         a, b = _float_tensors(reference), _float_tensors(final)
         differ = _differences(a, b, exact=exact)
         feedback.expect(a and not differ, f"both runs end with the same final checkpoint: all {len(a)} "
@@ -515,8 +535,8 @@ def _name_the_order(feedback: Feedback, script) -> None:
     failure = feedback.failure
     if failure is None or failure.exc_type in ("", "NotImplementedError"):
         return
-    frames = [m for m in re.finditer(r'File "(?P<file>[^"]+)", line (?P<line>\d+)[^\n]*\n[ \t]*(?P<code>[^\n]*)',
-                                     failure.traceback or "")
+    frame = r'File "(?P<file>[^"]+)", line (?P<line>\d+)[^\n]*\n[ \t]*(?P<code>[^\n]*)'
+    frames = [m for m in re.finditer(frame, failure.traceback or "")
               if os.path.abspath(m["file"]) == os.path.abspath(os.fspath(script))]
     if frames and "fully_shard" in frames[-1]["code"]:
         feedback.fail(f"fully_shard failed on line {frames[-1]['line']}. The order matters: fully_shard "
@@ -527,13 +547,32 @@ def _name_the_order(feedback: Feedback, script) -> None:
 def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedback:
     """Exercise 06-fsdp: every block and the root are FSDP units, at most the root and one block
     are whole at once, and each rank's bytes after the first step are predicted exactly and
-    measured exactly (2 ranks; every GPU, if there are two or more)."""
+    measured exactly (2 ranks; every GPU, if there are two or more).
+
+    The truth it compares with is worked out here from the model's shapes, the world size and
+    the units the script logged (FSDP2 splits dim 0 as torch.chunk does; AdamW adds two moments
+    and a 4-byte step counter per tensor), and is tested against what FSDP really holds.
+
+    Args:
+        target: the exercise's script, or a finished Run of it.
+        timeout: seconds the launch may take.
+
+    Returns:
+        a Feedback; a mistake in the script is a finding, never an exception.
+
+    Example (exercises/06_fsdp.ipynb)::
+
+        labkit.check_fsdp("scripts/ex06_fsdp.py")
+    """
     feedback, run = attempt("06-fsdp", target, timeout=timeout, name="check-06-fsdp", **_ranks(2))
     if run is None:
         if feedback.failure is not None:  # the target was a script, and a rank raised
             _name_the_order(feedback, target)
         return feedback
-    df = _metrics(feedback, run, ["predicted_params", "block_units", "measured_params", "gathered_bytes"])
+    names = ("params", "grads", "optim")
+    columns = ["dim", "depth", "block_units", "root_unit", "gathered_bytes",
+               *(f"predicted_{n}" for n in names), *(f"measured_{n}" for n in names)]
+    df = _metrics(feedback, run, columns)
     if df is None:
         return feedback
 
@@ -541,6 +580,11 @@ def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedba
         return df.dropna(subset=[column]).groupby("rank")[column].first().to_dict()
 
     world = run.nproc
+    silent = sorted({r for c in columns for r in range(world) if r not in first(c)})
+    if silent:
+        feedback.fail(f"{_on(silent, world)} did not log all the check reads (did the run stop early?): "
+                      f"keep the skeleton's metrics.log(...) lines.")
+        return feedback
     dim, depth = int(first("dim")[0]), int(first("depth")[0])
     units, root = str(first("block_units")[0]), bool(first("root_unit")[0])
     whole, root_bytes, block_bytes = _mlp_weights(dim, depth)
@@ -575,7 +619,6 @@ def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedba
                       f"(True), so that each block frees its gathered weights after its forward.")
 
     # The prediction, against what FSDP done right holds.
-    names = ("params", "grads", "optim")
     predicted = {r: tuple(int(first(f"predicted_{n}")[r]) for n in names) for r in range(world)}
     truth = {r: _fsdp_bytes(dim, depth, world, r) for r in range(world)}
     tensors = truth[0]["tensors"]
@@ -594,7 +637,8 @@ def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedba
     # The measurement, against what this rank really holds (with the units it has).
     measured = {r: tuple(int(first(f"measured_{n}")[r]) for n in names) for r in range(world)}
     held = {r: _fsdp_bytes(dim, depth, world, r, units=units, root=root) for r in range(world)}
-    wrong = [r for r in range(world) if measured[r] != (held[r]["params"], held[r]["grads"], held[r]["optimizer"])]
+    wrong = [r for r in range(world)
+             if measured[r] != (held[r]["params"], held[r]["grads"], held[r]["optimizer"])]
     if not wrong:
         h = held[0]
         feedback.ok(f"your measurement is exact: rank 0 holds {h['params']:,} bytes of parameters, "

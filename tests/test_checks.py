@@ -229,7 +229,8 @@ def test_each_05_06_mistake_gets_the_message_that_names_it(mistake, workdir):
 def test_a_bad_target_is_a_finding_not_a_crash(check, workdir):
     (workdir / "scripts").mkdir()
     missing = check("scripts/nope.py")
-    assert missing.status == "unfinished" and "run the %%writefile cell above first" in missing.messages("todo")[0]
+    assert missing.status == "unfinished"
+    assert "run the %%writefile cell above first" in missing.messages("todo")[0]
     folder = check("scripts")
     assert folder.status == "failed" and "is a folder" in folder.messages("fail")[0]
     number = check(42)
