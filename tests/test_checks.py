@@ -287,3 +287,45 @@ def test_check_fsdps_byte_model_is_what_fsdp_holds_where_rows_do_not_divide(work
         assert (held.loc[rank, "measured_params"], held.loc[rank, "measured_optim"]) == (
             truth["params"], truth["optimizer"]), rank
     assert held["measured_params"].nunique() == 2, "the last rank holds fewer rows"
+
+
+def _fsdp_run(folder, *, units="1111", root=True, skip_rank_1_measurement=False):
+    """A finished 2-rank Run of exercise 06, written by hand with the numbers FSDP holds."""
+    import json as _json
+
+    from labkit._run import Run
+
+    (folder / "metrics").mkdir(parents=True)
+    for rank in range(2):
+        held = _checks._fsdp_bytes(64, 4, 2, rank, units=units, root=root)
+        lines = [{"step": 0, "dim": 64, "depth": 4, "predicted_params": 275_604,
+                  "predicted_grads": 275_604, "predicted_optim": 551_328},
+                 {"step": 0, "root_unit": root, "block_units": units}]
+        if not (rank == 1 and skip_rank_1_measurement):
+            lines.append({"step": 1, "measured_params": held["params"], "measured_grads": held["grads"],
+                          "measured_optim": held["optimizer"],
+                          "gathered_bytes": 152_616 if units == "1111" and root else 551_208})
+        (folder / "metrics" / f"rank{rank}.jsonl").write_text("".join(
+            _json.dumps({"rank": rank, "world_size": 2, "restart": 0, "time": 1.0 + i, **line}) + "\n"
+            for i, line in enumerate(lines)))
+    return Run(folder, {"name": "by-hand", "nproc": 2, "device": "cpu"})
+
+
+def test_check_fsdp_reads_a_finished_run(tmp_path):
+    feedback = labkit.check_fsdp(_fsdp_run(tmp_path))
+    assert feedback.passed and len(feedback.items) == 5, feedback
+    assert "exactly 1/2 of the model's 551,208" in feedback.messages("ok")[3]
+
+
+def test_check_fsdp_names_the_rank_that_logged_too_little(tmp_path):
+    feedback = labkit.check_fsdp(_fsdp_run(tmp_path, skip_rank_1_measurement=True))
+    assert feedback.messages("fail") == ["rank 1 did not log all the check reads (did the run stop early?): "
+                                         "keep the skeleton's metrics.log(...) lines."]
+
+
+def test_check_fsdp_says_when_nothing_is_sharded(tmp_path):
+    feedback = labkit.check_fsdp(_fsdp_run(tmp_path, units="0000", root=False))
+    fails = feedback.messages("fail")
+    assert "no block is an FSDP unit" in fails[0] and "call fully_shard(model)" in fails[1], feedback
+    assert fails[2] == "nothing is sharded: every rank holds all 551,208 bytes of weights, all the time."
+    assert any("your measurement is exact: rank 0 holds 551,208" in m for m in feedback.messages("ok"))
