@@ -113,8 +113,9 @@ def attempt(exercise: str, target, **launch_options):
     """Launch the learner's script (or take a finished Run) for a check.
 
     Returns ``(feedback, run)``. ``run`` is None when the launch did not succeed; the
-    feedback then already says why, in words: a TODO not done yet, a syntax error, a
-    rank's exception (its traceback is in the output above), a hang.
+    feedback then already says why, in words: a target that is not a script, a TODO not
+    done yet, a syntax error, a rank's exception (its traceback is in the output above; the
+    root cause is kept in ``feedback.failure``), a hang.
     """
     from labkit._launch import launch
     from labkit._run import Run
@@ -126,12 +127,12 @@ def attempt(exercise: str, target, **launch_options):
     try:
         script = os.fspath(target)
     except TypeError:
-        feedback.fail(f"a check takes the path of your script, e.g. 'scripts/ex02_ddp.py', "
-                      f"not {type(target).__name__} {target!r}.")
+        feedback.fail(f"a check takes the path of your script (the file that the %%writefile cell "
+                      f"wrote), not {type(target).__name__} {target!r}.")
         return feedback, None
     if os.path.isdir(script):
         feedback.fail(f"{script} is a folder: pass the path of the script that the %%writefile "
-                      f"cell wrote, e.g. 'scripts/ex02_ddp.py'.")
+                      f"cell wrote.")
         return feedback, None
     try:
         run = launch(script, **launch_options)
