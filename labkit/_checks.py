@@ -453,22 +453,27 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout: float = 300,
         if saved:
             fixes += _resume_pieces(feedback, saved, after, steps[0])
 
-    # 3. The end: every step's loss, then the final checkpoints, against the uninterrupted run.
+    # 3. Every loss the drill logged, before the crash and after it (the steps done twice both
+    #    times), against the uninterrupted run's; then the final checkpoints.
     exact = run.info.get("device") == "cpu"
     tolerance = 0.0 if exact else 1e-5
     how = "bit for bit" if exact else f"within {tolerance:g} (GPU kernels may round differently)"
-    reference_losses = _losses(whole.metrics())
-    gap = (reference_losses - _losses(df).reindex(reference_losses.index)).abs()
-    leave = sorted({int(s) for (_, s), g in gap.items() if not g <= tolerance})  # NaN: a step missing
-    if not feedback.expect(not leave, f"after the restart the losses match the uninterrupted run's at all "
-                                      f"{reference_losses.index.get_level_values('step').nunique()} steps, on "
-                                      f"every rank, {how}",
+    expected = _losses(whole.metrics())
+    logged = df.dropna(subset=["loss"])
+    keys = list(zip(logged["rank"], logged["step"]))
+    gap = abs(logged["loss"].to_numpy() - expected.reindex(keys).to_numpy())
+    leave = {int(step) for (_, step), g in zip(keys, gap) if not g <= tolerance}  # NaN: an extra step
+    leave |= {int(step) for (rank, step) in expected.index if (rank, step) not in set(keys)}  # a missing one
+    twice = set(first.dropna(subset=["loss"])["step"]) & set(again.dropna(subset=["loss"])["step"])
+    steps = expected.index.get_level_values("step").nunique()
+    if not feedback.expect(not leave, f"the drill's losses equal the uninterrupted run's, {how}: all {steps} "
+                                      f"steps on every rank, and the {len(twice)} steps done twice, both times",
                            f"after the restart the losses leave the uninterrupted run's from step "
-                           f"{leave[0] if leave else 0} on: "
+                           f"{min(leave) if leave else 0} on: "
                            + (fixes[0] if fixes else "some piece of state did not come back; compare what "
                               "you save with everything the loop changes") + "."):
         return feedback
-    _, final, error = _load_latest(folders["drill"])
+    _, final, _ = _load_latest(folders["drill"])
     if final is not None:
         # Tensors of numbers only: Python's and NumPy's RNGs start from a random seed in each run.
         a, b = _float_tensors(reference), _float_tensors(final)
