@@ -56,6 +56,9 @@ _LAZY = {
     "check_training_loop": "labkit._checks",
     "check_ddp": "labkit._checks",
     "hint": "labkit._hints",
+    # exercises 05 and 06
+    "check_resume": "labkit._checks",
+    "check_fsdp": "labkit._checks",
 }
 _SUBMODULES = {"metrics", "data", "models", "checkpoint", "memory", "exercises"}
 

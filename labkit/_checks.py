@@ -195,3 +195,502 @@ def check_ddp(target="scripts/ex02_ddp.py", *, timeout: float = 300) -> Feedback
                     f"rank(s) {[r for r, n in printed.items() if r and n]} printed the epoch summary "
                     f"too: print only where rank == 0.")
     return feedback
+
+
+
+# ==============================================================================================
+# Exercises 05 (checkpointing) and 06 (FSDP)
+# ==============================================================================================
+__all__ += ["check_resume", "check_fsdp"]
+
+#: Exercise 05's fault drill: 8 steps an epoch, a checkpoint every 6 steps, the last rank
+#: crashing at step 14, so that the job resumes mid-epoch from step 12 and redoes 13 and 14.
+DRILL_05 = {"epochs": 3, "batch_size": 16, "steps_per_epoch": 8, "ckpt_every": 6, "crash_at": 14}
+
+
+def _walk(obj, path=""):
+    """(path, leaf) for every leaf of nested dicts, lists and tuples, in a fixed order."""
+    if isinstance(obj, dict):
+        for key in obj:
+            yield from _walk(obj[key], f"{path}/{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            yield from _walk(item, f"{path}/{i}")
+    else:
+        yield path, obj
+
+
+def _wrapper_keys(state) -> list[str]:
+    """Keys that start with DDP's ``module.`` anywhere in a loaded checkpoint."""
+    found, stack = [], [state]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, dict):
+            found += [k for k in obj if isinstance(k, str) and k.startswith("module.")]
+            stack += list(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack += list(obj)
+    return found
+
+
+def _float_tensors(state) -> dict:
+    """{path: tensor} of the floating-point tensors in a loaded checkpoint: weights, optimizer state."""
+    import torch
+
+    return {path: leaf for path, leaf in _walk(state)
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
+
+
+def _differences(a: dict, b: dict, *, exact: bool) -> list[str]:
+    """Paths at which two {path: tensor} dicts differ (exactly, or within a GPU's rounding)."""
+    import torch
+
+    differ = sorted(set(a) ^ set(b))
+    for path in sorted(set(a) & set(b)):
+        x, y = a[path], b[path]
+        same = x.shape == y.shape and x.dtype == y.dtype and (
+            torch.equal(x, y) if exact else torch.allclose(x, y, rtol=1e-4, atol=1e-6))
+        if not same:
+            differ.append(path)
+    return differ
+
+
+def _load_latest(folder):
+    """(path, state, error) of the newest checkpoint in ``folder``, loaded as a resume loads it."""
+    import warnings
+
+    import torch
+
+    from labkit import checkpoint
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a torn file is skipped; the caller says what is missing
+        path = checkpoint.latest(folder)
+    if path is None:
+        return None, None, None
+    try:
+        return path, torch.load(path, map_location="cpu", weights_only=True), None
+    except Exception as err:  # noqa: BLE001 - whatever it is, the learner needs to hear it
+        return path, None, str(err).strip().splitlines()[0][:200]
+
+
+def _on(ranks, world_size: int) -> str:
+    """'rank 1', 'ranks 1, 3' or 'every rank'."""
+    ranks = sorted(ranks)
+    if len(ranks) == world_size > 1:
+        return "every rank"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _losses(df):
+    """Each rank's loss per step; a step done twice (before and after a restart): the later one."""
+    return df.dropna(subset=["loss"]).groupby(["rank", "step"])["loss"].last()
+
+
+def _resume_pieces(feedback: Feedback, saved: dict, after: dict, step: int) -> list[str]:
+    """One finding per piece of state: is it, right after the resume, what was saved at ``step``?
+
+    ``saved`` and ``after``: {rank: the fingerprint row the skeleton logged} when saving and
+    right after resuming. Returns the short fixes for the pieces that did not come back.
+    """
+    fixes = []
+    ranks = [r for r in sorted(after) if r in saved]
+    if not ranks:
+        return fixes
+
+    def differ(*columns):
+        return [r for r in ranks if any(after[r][c] != saved[r][c] for c in columns)]
+
+    def on(wrong):
+        return _on(wrong, len(ranks))
+
+    wrong = differ("weights_fp")
+    if not feedback.expect(not wrong, f"after the restart every rank holds exactly the weights saved at "
+                                      f"step {step}",
+                           f"after the restart the weights on {on(wrong)} are not those saved at step "
+                           f"{step}: save model.module.state_dict() and load it back into model.module on "
+                           f"every rank."):
+        fixes.append("restore the model's weights on every rank")
+    wrong = differ("momentum_fp")
+    empty = " (it starts empty)" if any(after[r]["momentum_fp"] == 0 for r in wrong) else ""
+    if not feedback.expect(not wrong, "the optimizer's momentum came back as it was",
+                           f"the optimizer's momentum on {on(wrong)} is not what it was at step {step}"
+                           f"{empty}: save optimizer.state_dict() and restore it with "
+                           f"optimizer.load_state_dict(...); without it, SGD's next steps point elsewhere."):
+        fixes.append("save and restore the optimizer's state (its momentum) too")
+    wrong = differ("rng_fp")
+    borrowed = [r for r in wrong if r != 0 and 0 in saved and after[r]["rng_fp"] == saved[0]["rng_fp"]]
+    if not wrong:
+        feedback.ok("each rank's random stream goes on where it was, so the random flips repeat")
+    elif borrowed:
+        feedback.fail(f"{on(borrowed)} went on with rank 0's random stream, not its own: each rank draws "
+                      f"its own flips, so gather every rank's checkpoint.rng_state() on rank 0 "
+                      f"(dist.gather_object) and restore state['rng'][rank] on each rank.")
+        fixes.append("restore each rank's own RNG state")
+    else:
+        feedback.fail(f"the random stream on {on(wrong)} does not go on where it was at step {step}: "
+                      f"save every rank's checkpoint.rng_state() and restore it with "
+                      f"checkpoint.set_rng_state(...), or the random flips differ.")
+        fixes.append("save and restore every rank's RNG state")
+    wrong = differ("epoch", "batch_in_epoch")
+    if not wrong:
+        where = saved[ranks[0]]
+        feedback.ok(f"the sampler goes on at epoch {where['epoch']:.0f}, batch "
+                    f"{where['batch_in_epoch']:.0f}, where the run was at step {step}")
+    else:
+        was, now = saved[wrong[0]], after[wrong[0]]
+        feedback.fail(f"after the restart {on(wrong)} started at epoch {now['epoch']:.0f}, batch "
+                      f"{now['batch_in_epoch']:.0f}, but at step {step} the run was at epoch "
+                      f"{was['epoch']:.0f}, batch {was['batch_in_epoch']:.0f}: save epoch and "
+                      f"batch_in_epoch, and restore both (the loop sets the sampler from them), or the "
+                      f"run trains on other batches than it would have.")
+        fixes.append("save and restore the sampler's epoch and position")
+    return fixes
+
+
+def check_resume(target="scripts/ex05_resume.py", *, timeout: float = 300,
+                 ckpt_dir="checkpoints/check-05") -> Feedback:
+    """Exercise 05-resume: a checkpoint with the whole training state, and a resume after a
+    crash that ends bit-identical (on CPU) to a run that was never interrupted.
+
+    Launches the script twice on 2 ranks (every GPU, if there are two or more), each time with
+    a fresh checkpoint folder under ``ckpt_dir``: first from start to finish, then with the last
+    rank crashing at step 14 and ``max_restarts=1``. Compares what each rank logged right after
+    resuming with what it logged when the checkpoint was saved, piece by piece; then every
+    step's loss, and the final checkpoints of both runs.
+
+    Args:
+        target: the exercise's script (a finished Run will not do: the check needs two launches).
+        timeout: seconds each launch may take.
+        ckpt_dir: where the two runs' checkpoint folders go (emptied first).
+
+    Returns:
+        a Feedback; a mistake in the script is a finding, never an exception.
+
+    Example (exercises/05_checkpointing.ipynb)::
+
+        labkit.check_resume("scripts/ex05_resume.py")
+    """
+    import shutil
+    from pathlib import Path
+
+    from labkit._run import Run
+
+    if isinstance(target, Run):
+        feedback = Feedback("05-resume")
+        feedback.fail("check_resume launches your script itself, twice (once whole, once with a crash): "
+                      "pass the script's path, e.g. 'scripts/ex05_resume.py'.")
+        return feedback
+    ranks, drill = _ranks(2), DRILL_05
+    last = ranks["nproc"] - 1
+    args = ["--epochs", str(drill["epochs"]), "--batch-size", str(drill["batch_size"]),
+            "--train-size", str(drill["steps_per_epoch"] * drill["batch_size"] * ranks["nproc"]),
+            "--ckpt-every", str(drill["ckpt_every"])]
+    folders = {name: Path(ckpt_dir) / name for name in ("whole", "drill")}
+    for folder in folders.values():
+        shutil.rmtree(folder, ignore_errors=True)  # the script resumes from whatever it finds
+
+    # 1. The uninterrupted run, and the checkpoint it leaves.
+    feedback, whole = attempt("05-resume", target, timeout=timeout, name="check-05-uninterrupted",
+                              args=args + ["--ckpt-dir", str(folders["whole"])], **ranks)
+    if whole is None or _metrics(feedback, whole, ["loss", "weights_fp"]) is None:
+        return feedback
+    path, reference, error = _load_latest(folders["whole"])
+    if path is None:
+        feedback.fail(f"the run left no checkpoint in {folders['whole']}: in save_checkpoint, rank 0 writes "
+                      f"one with checkpoint.save_atomic(state, checkpoint.step_path(args.ckpt_dir, step)).")
+        return feedback
+    if error is not None:
+        feedback.fail(f"{path.name} does not load with weights_only=True ({error}): save only tensors, "
+                      f"numbers, strings and plain lists and dicts; checkpoint.rng_state() gives the RNG "
+                      f"states in that form.")
+        return feedback
+    wrapped = _wrapper_keys(reference)
+    feedback.expect(not wrapped, f"the checkpoint ({path.name}) loads with weights_only=True, and its weights' "
+                                 f"names have no 'module.' prefix, so they load into a plain model",
+                    f"{path.name} names the weights {wrapped[0] if wrapped else ''!r} and so on: that is the "
+                    f"DDP wrapper's state_dict. Save the unwrapped model, model.module.state_dict(), so "
+                    f"that the weights load into a plain model.")
+
+    # 2. The fault drill: the last rank crashes; torchrun restarts the job once.
+    crash_at = drill["crash_at"]
+    resume_at = (crash_at - 1) // drill["ckpt_every"] * drill["ckpt_every"]
+    second, run = attempt("05-resume", target, timeout=timeout, name="check-05-fault-drill",
+                          max_restarts=1, **ranks,
+                          args=args + ["--ckpt-dir", str(folders["drill"]), "--crash-at-step",
+                                       str(crash_at), "--crash-rank", str(last)])
+    feedback.items += second.items
+    feedback.run, feedback.failure = second.run, second.failure
+    if run is None:
+        return feedback
+    df = _metrics(feedback, run, ["loss", "weights_fp"])
+    if df is None:
+        return feedback
+    if 1 not in set(df["restart"]):
+        feedback.fail(f"the job never restarted: keep the skeleton's fault drill (rank {last} raises at "
+                      f"--crash-at-step in the first attempt).")
+        return feedback
+    first, again = df[df["restart"] == 0], df[df["restart"] == 1]
+    resumed = again.dropna(subset=["resumed_from"]) if "resumed_from" in again else again.iloc[:0]
+    fixes = []
+    if resumed.empty:
+        feedback.fail(f"after the crash at step {crash_at} the restarted job began again at step 0: find the "
+                      f"newest checkpoint with checkpoint.latest(args.ckpt_dir), load it, and set step, epoch "
+                      f"and batch_in_epoch from it.")
+        fixes.append("resume from checkpoint.latest(args.ckpt_dir)")
+    else:
+        steps = sorted({int(s) for s in resumed["resumed_from"]})
+        feedback.expect(steps == [resume_at],
+                        f"rank {last} crashed at step {crash_at}; torchrun restarted the job, and every rank "
+                        f"resumed at step {resume_at}, the newest checkpoint",
+                        f"after the crash at step {crash_at} the job resumed at step "
+                        f"{', '.join(map(str, steps))}, but the newest checkpoint before the crash was step "
+                        f"{resume_at}: load checkpoint.latest(args.ckpt_dir), and save the step the run has "
+                        f"reached.")
+        saves = first.dropna(subset=["saved"]) if "saved" in first else first.iloc[:0]
+        saved = {int(r["rank"]): r for _, r in saves[saves["step"] == steps[0]].iterrows()}
+        after = {int(r["rank"]): r for _, r in resumed.groupby("rank").head(1).iterrows()}
+        if saved:
+            fixes += _resume_pieces(feedback, saved, after, steps[0])
+
+    # 3. Every loss the drill logged, before the crash and after it (the steps done twice both
+    #    times), against the uninterrupted run's; then the final checkpoints.
+    exact = run.info.get("device") == "cpu"
+    tolerance = 0.0 if exact else 1e-5
+    how = "bit for bit" if exact else f"within {tolerance:g} (GPU kernels may round differently)"
+    expected = _losses(whole.metrics())
+    logged = df.dropna(subset=["loss"])
+    keys = list(zip(logged["rank"], logged["step"]))
+    gap = abs(logged["loss"].to_numpy() - expected.reindex(keys).to_numpy())
+    leave = {int(step) for (_, step), g in zip(keys, gap) if not g <= tolerance}  # NaN: an extra step
+    leave |= {int(step) for (rank, step) in expected.index if (rank, step) not in set(keys)}  # a missing one
+    twice = set(first.dropna(subset=["loss"])["step"]) & set(again.dropna(subset=["loss"])["step"])
+    steps = expected.index.get_level_values("step").nunique()
+    if not feedback.expect(not leave, f"the drill's losses equal the uninterrupted run's, {how}: all {steps} "
+                                      f"steps on every rank, and the {len(twice)} steps done twice, both times",
+                           f"after the restart the losses leave the uninterrupted run's from step "
+                           f"{min(leave) if leave else 0} on: "
+                           + (fixes[0] if fixes else "some piece of state did not come back; compare what "
+                              "you save with everything the loop changes") + "."):
+        return feedback
+    _, final, _ = _load_latest(folders["drill"])
+    if final is not None:
+        # Tensors of numbers only: Python's and NumPy's RNGs start from a random seed in each run.
+        a, b = _float_tensors(reference), _float_tensors(final)
+        differ = _differences(a, b, exact=exact)
+        feedback.expect(a and not differ, f"both runs end with the same final checkpoint: all {len(a)} "
+                                          f"tensors of weights and optimizer state are equal, {how}",
+                        f"the final checkpoints differ at {', '.join(differ[:4]) or 'every tensor'}: both runs "
+                        f"should end in the same state.")
+    return feedback
+
+
+# -- 06: FSDP ------------------------------------------------------------------------------------
+def _shard_rows(rows: int, world_size: int, rank: int) -> int:
+    """Rows of a ``rows``-row tensor that FSDP2 gives ``rank``: torch.chunk's split of dim 0."""
+    per_rank = -(-rows // world_size)
+    return max(0, min(per_rank, rows - rank * per_rank))
+
+
+def _fsdp_bytes(dim: int, depth: int, world_size: int, rank: int, *, units: str | None = None,
+                root: bool = True) -> dict:
+    """What ``rank`` holds of exercise 06's MLPStack after one AdamW step, exactly.
+
+    A parameter is sharded when an FSDP unit holds it: the root (``root``), or its block
+    (``units[i] == "1"``); otherwise the rank holds it whole. AdamW keeps two moments shaped
+    like the parameter and a 4-byte float32 step counter per parameter tensor.
+    """
+    import torch
+
+    from labkit.models import MLPStack
+
+    units = "1" * depth if units is None else units
+    with torch.device("meta"):
+        plain = MLPStack(dim=dim, depth=depth, in_features=dim)
+    params = tensors = 0
+    for name, p in plain.named_parameters():
+        parts = name.split(".")
+        sharded = root or (parts[0] == "blocks" and units[int(parts[1])] == "1")
+        rows = p.shape[0]
+        mine = _shard_rows(rows, world_size, rank) if sharded else rows
+        params += mine * (p.numel() // rows) * p.element_size()
+        tensors += 1
+    return {"params": params, "grads": params, "optimizer": 2 * params + 4 * tensors, "tensors": tensors}
+
+
+def _mlp_weights(dim: int, depth: int) -> tuple[int, int, int]:
+    """Bytes of exercise 06's whole MLPStack, of its root's own weights (stem, head), of one block."""
+    import torch
+
+    from labkit.memory import tensor_bytes
+    from labkit.models import MLPStack
+
+    with torch.device("meta"):
+        plain = MLPStack(dim=dim, depth=depth, in_features=dim)
+    whole = tensor_bytes(plain.parameters())
+    block = max(tensor_bytes(b.parameters()) for b in plain.blocks)
+    return whole, whole - sum(tensor_bytes(b.parameters()) for b in plain.blocks), block
+
+
+def _name_the_order(feedback: Feedback, script) -> None:
+    """A rank failed inside fully_shard: say that the order matters (the root comes last)."""
+    import os
+    import re
+
+    failure = feedback.failure
+    if failure is None or failure.exc_type in ("", "NotImplementedError"):
+        return
+    frame = r'File "(?P<file>[^"]+)", line (?P<line>\d+)[^\n]*\n[ \t]*(?P<code>[^\n]*)'
+    frames = [m for m in re.finditer(frame, failure.traceback or "")
+              if os.path.abspath(m["file"]) == os.path.abspath(os.fspath(script))]
+    if frames and "fully_shard" in frames[-1]["code"]:
+        feedback.fail(f"fully_shard failed on line {frames[-1]['line']}. The order matters: fully_shard "
+                      f"each block first, then the model. Once the root has taken every parameter, a "
+                      f"block can no longer become a unit of its own.")
+
+
+def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedback:
+    """Exercise 06-fsdp: every block and the root are FSDP units, at most the root and one block
+    are whole at once, and each rank's bytes after the first step are predicted exactly and
+    measured exactly (2 ranks; every GPU, if there are two or more).
+
+    The truth it compares with is worked out here from the model's shapes, the world size and
+    the units the script logged (FSDP2 splits dim 0 as torch.chunk does; AdamW adds two moments
+    and a 4-byte step counter per tensor), and is tested against what FSDP really holds.
+
+    Args:
+        target: the exercise's script, or a finished Run of it.
+        timeout: seconds the launch may take.
+
+    Returns:
+        a Feedback; a mistake in the script is a finding, never an exception.
+
+    Example (exercises/06_fsdp.ipynb)::
+
+        labkit.check_fsdp("scripts/ex06_fsdp.py")
+    """
+    feedback, run = attempt("06-fsdp", target, timeout=timeout, name="check-06-fsdp", **_ranks(2))
+    if run is None:
+        if feedback.failure is not None:  # the target was a script, and a rank raised
+            _name_the_order(feedback, target)
+        return feedback
+    names = ("params", "grads", "optim")
+    columns = ["dim", "depth", "block_units", "root_unit", "gathered_bytes",
+               *(f"predicted_{n}" for n in names), *(f"measured_{n}" for n in names)]
+    df = _metrics(feedback, run, columns)
+    if df is None:
+        return feedback
+
+    def first(column):
+        return df.dropna(subset=[column]).groupby("rank")[column].first().to_dict()
+
+    world = run.nproc
+    silent = sorted({r for c in columns for r in range(world) if r not in first(c)})
+    if silent:
+        feedback.fail(f"{_on(silent, world)} did not log all the check reads (did the run stop early?): "
+                      f"keep the skeleton's metrics.log(...) lines.")
+        return feedback
+    dim, depth = int(first("dim")[0]), int(first("depth")[0])
+    units, root = str(first("block_units")[0]), bool(first("root_unit")[0])
+    whole, root_bytes, block_bytes = _mlp_weights(dim, depth)
+
+    # The units, and what is whole at once.
+    missing = [i for i, u in enumerate(units) if u != "1"]
+    feedback.expect(not missing, f"each of the {depth} blocks is an FSDP unit of its own",
+                    "no block is an FSDP unit of its own: call fully_shard(block) for each block in "
+                    "model.blocks, before the root." if len(missing) == depth else
+                    f"block(s) {missing} are not FSDP units of their own: call fully_shard(block) for each "
+                    f"block in model.blocks, before the root.")
+    feedback.expect(root, "the model itself is an FSDP unit too: the root, which shards the stem and the head",
+                    "the model itself is not an FSDP unit, so the stem and the head stay whole on every rank "
+                    "and nothing averages their gradients: call fully_shard(model) after the blocks.")
+    gathered, limit = int(max(first("gathered_bytes").values())), root_bytes + block_bytes
+    if gathered <= limit:
+        feedback.ok(f"at most the root and one block were whole at once: {gathered:,} of the model's "
+                    f"{whole:,} bytes of weights")
+    elif len(missing) == depth and not root:
+        feedback.fail(f"nothing is sharded: every rank holds all {gathered:,} bytes of weights, all the time.")
+    elif len(missing) == depth:
+        feedback.fail(f"the whole model ({gathered:,} bytes of weights) was whole at once: with only the root "
+                      f"wrapped, FSDP gathers every weight when the forward pass starts. With each block a "
+                      f"unit of its own, only the root and one block ({limit:,} bytes) are whole at a time.")
+    elif not root:
+        feedback.fail(f"{gathered:,} bytes of weights were whole at once, more than the root and one block "
+                      f"({limit:,}): without fully_shard(model), each block is an FSDP root of its own, and "
+                      f"a root keeps its weights gathered after its forward. Shard the root last.")
+    else:
+        feedback.fail(f"{gathered:,} bytes of weights were whole at once, more than the root and one block "
+                      f"({limit:,}): shard every block, and leave reshard_after_forward at its default "
+                      f"(True), so that each block frees its gathered weights after its forward.")
+
+    # The prediction, against what FSDP done right holds.
+    predicted = {r: tuple(int(first(f"predicted_{n}")[r]) for n in names) for r in range(world)}
+    truth = {r: _fsdp_bytes(dim, depth, world, r) for r in range(world)}
+    tensors = truth[0]["tensors"]
+    wrong = [r for r in range(world)
+             if predicted[r] != (truth[r]["params"], truth[r]["grads"], truth[r]["optimizer"])]
+    if not wrong:
+        t = truth[0]
+        share = (f"exactly 1/{world}" if t["params"] * world == whole
+                 else f"about 1/{world} (some tensors' rows do not divide by {world})")
+        feedback.ok(f"your prediction is exact on every rank: rank 0 holds {t['params']:,} bytes of parameters "
+                    f"({share} of the model's {whole:,}), {t['grads']:,} of gradients and {t['optimizer']:,} "
+                    f"of AdamW state")
+    else:
+        feedback.fail(_misprediction(wrong[0], predicted[wrong[0]], truth[wrong[0]], whole, world, tensors))
+
+    # The measurement, against what this rank really holds (with the units it has).
+    measured = {r: tuple(int(first(f"measured_{n}")[r]) for n in names) for r in range(world)}
+    held = {r: _fsdp_bytes(dim, depth, world, r, units=units, root=root) for r in range(world)}
+    wrong = [r for r in range(world)
+             if measured[r] != (held[r]["params"], held[r]["grads"], held[r]["optimizer"])]
+    if not wrong:
+        h = held[0]
+        feedback.ok(f"your measurement is exact: rank 0 holds {h['params']:,} bytes of parameters, "
+                    f"{h['grads']:,} of gradients and {h['optimizer']:,} of AdamW state")
+    else:
+        r = wrong[0]
+        (params, grads, optim), h = measured[r], held[r]
+        if params == whole and h["params"] != whole:
+            feedback.fail(f"you measured {params:,} bytes of parameters on rank {r}, the whole model's: count "
+                          f"each DTensor's local shard (p.to_local()), as memory.model_bytes(model, optimizer) "
+                          f"does. Rank {r} holds {h['params']:,}.")
+        elif optim == 0:
+            feedback.fail("you measured no optimizer state: pass the optimizer too, "
+                          "memory.model_bytes(model, optimizer).")
+        elif grads == 0:
+            feedback.fail("you measured no gradients: measure where the TODO is, after optimizer.step() and "
+                          "before the next zero_grad(set_to_none=True) frees them.")
+        else:
+            feedback.fail(f"rank {r} holds {h['params']:,} / {h['grads']:,} / {h['optimizer']:,} bytes of "
+                          f"parameters / gradients / optimizer state, but you measured {params:,} / "
+                          f"{grads:,} / {optim:,}: count the local shards, memory.model_bytes(model, optimizer).")
+    return feedback
+
+
+def _misprediction(rank: int, predicted: tuple, truth: dict, whole: int, world: int, tensors: int) -> str:
+    """What is wrong with the first wrong number of one rank's prediction, and why."""
+    params, grads, optim = predicted
+    if params != truth["params"]:
+        if params == whole:
+            return (f"you predicted the whole model's {whole:,} bytes of parameters on rank {rank}: under FSDP "
+                    f"each rank holds only its shard, about 1/{world} of every tensor's rows.")
+        if params * world == whole:
+            return (f"rank {rank} holds {truth['params']:,} bytes of parameters, not 1/{world} of the model "
+                    f"({params:,}): FSDP cuts each tensor's rows like torch.chunk, ceil(rows / {world}) to a "
+                    f"rank, so the last rank(s) get fewer, or none.")
+        return (f"you predicted {params:,} bytes of parameters on rank {rank}; it holds {truth['params']:,}: "
+                f"its dim-0 shard of every parameter, ceil(rows / {world}) rows of each (fewer on the last "
+                f"ranks), at 4 bytes a float32.")
+    if grads != truth["grads"]:
+        return (f"you predicted {grads:,} bytes of gradients on rank {rank}; it holds {truth['grads']:,}: after "
+                f"the reduce-scatter each rank keeps only its own shard's gradient, as many bytes as its "
+                f"parameters.")
+    if optim == 2 * truth["params"]:
+        return (f"your AdamW prediction is {4 * tensors} bytes short: besides its two moments, AdamW keeps a "
+                f"4-byte step counter for each of the {tensors} parameter tensors, on every rank.")
+    if optim in (truth["params"], truth["params"] + 4 * tensors):
+        return (f"AdamW keeps two moments per weight (exp_avg and exp_avg_sq), each the size of the shard: "
+                f"rank {rank} holds {truth['optimizer']:,} bytes of optimizer state, not {optim:,}.")
+    return (f"you predicted {optim:,} bytes of optimizer state on rank {rank}; it holds {truth['optimizer']:,}: "
+            f"two moments the size of its shard, and a 4-byte step counter per parameter tensor.")

@@ -29,11 +29,14 @@ class Feedback:
         exercise: the exercise's id, e.g. ``"02-ddp"``.
         items: ``(status, text)`` pairs; status is ``"ok"``, ``"fail"`` or ``"todo"``.
         run: the Run that was checked, when there was one.
+        failure: the root-cause RankFailure when a rank stopped with an exception (a check
+            may read its traceback to name a likelier cause).
     """
 
     exercise: str
     items: list = field(default_factory=list)
     run: object = None
+    failure: object = field(default=None, repr=False)
 
     def ok(self, text: str) -> None:
         self.items.append(("ok", text))
@@ -110,8 +113,9 @@ def attempt(exercise: str, target, **launch_options):
     """Launch the learner's script (or take a finished Run) for a check.
 
     Returns ``(feedback, run)``. ``run`` is None when the launch did not succeed; the
-    feedback then already says why, in words: a TODO not done yet, a syntax error, a
-    rank's exception (its traceback is in the output above), a hang.
+    feedback then already says why, in words: a target that is not a script, a TODO not
+    done yet, a syntax error, a rank's exception (its traceback is in the output above; the
+    root cause is kept in ``feedback.failure``), a hang.
     """
     from labkit._launch import launch
     from labkit._run import Run
@@ -120,7 +124,16 @@ def attempt(exercise: str, target, **launch_options):
     if isinstance(target, Run):
         feedback.run = target
         return feedback, target
-    script = os.fspath(target)
+    try:
+        script = os.fspath(target)
+    except TypeError:
+        feedback.fail(f"a check takes the path of your script (the file that the %%writefile cell "
+                      f"wrote), not {type(target).__name__} {target!r}.")
+        return feedback, None
+    if os.path.isdir(script):
+        feedback.fail(f"{script} is a folder: pass the path of the script that the %%writefile "
+                      f"cell wrote.")
+        return feedback, None
     try:
         run = launch(script, **launch_options)
     except FileNotFoundError:
@@ -138,7 +151,7 @@ def attempt(exercise: str, target, **launch_options):
         return feedback, None
     except LaunchError as err:
         feedback.run = err.run
-        root = err.root_cause
+        root = feedback.failure = err.root_cause
         if root is not None and root.exc_type == "NotImplementedError":
             feedback.todo(f"{root.message}{_where(root, script)}")
         elif root is not None and root.exc_type:

@@ -78,3 +78,36 @@ def hint(exercise: str, number: int = 1) -> Hint:
         raise ValueError(f"{exercise} has hints 1 to {len(texts)}, not {number!r}. "
                          f"HINT: after the last hint, read solutions/ for the full answer.")
     return Hint(exercise, number, len(texts), texts[number - 1])
+
+
+# ==============================================================================================
+# Exercises 05 (checkpointing) and 06 (FSDP)
+# ==============================================================================================
+HINTS.update({
+    "05-resume": [
+        "A checkpoint must hold everything the loop changes: the weights (of model.module, so that "
+        "the names carry no 'module.' prefix), the optimizer's state (SGD's momentum), step, epoch "
+        "and batch_in_epoch, and the RNG state of every rank (each rank draws its own random flips).",
+        "The ranks' RNG states differ, so collect them first: rngs = [None] * world_size on rank 0 "
+        "(None on the others), then dist.gather_object(checkpoint.rng_state(), rngs, dst=0). Rank 0 "
+        "alone writes, with checkpoint.save_atomic(state, checkpoint.step_path(args.ckpt_dir, step)); "
+        "then dist.barrier() on every rank.",
+        "To resume: path = checkpoint.latest(args.ckpt_dir); if it is not None, state = torch.load(path, "
+        "map_location=device, weights_only=True); model.module.load_state_dict(state['model']); "
+        "optimizer.load_state_dict(state['optimizer']); checkpoint.set_rng_state(state['rng'][rank]); "
+        "step, epoch, batch_in_epoch = state['step'], state['epoch'], state['batch_in_epoch'].",
+    ],
+    "06-fsdp": [
+        "fully_shard(module) makes a module one FSDP unit, whose weights are gathered together. Call "
+        "it on each block in model.blocks, then on model itself: the root comes last and takes what "
+        "no block took (the stem and the head).",
+        "FSDP cuts every parameter along dim 0 as torch.chunk(p, world_size) would: ceil(rows / "
+        "world_size) rows to a rank, and fewer (or none) to the last ranks when the rows do not "
+        "divide. A shard's bytes: its rows × (p.numel() // p.shape[0]) × p.element_size(). Each rank "
+        "keeps the gradient of its own shard only: the same bytes again.",
+        "AdamW keeps exp_avg and exp_avg_sq, each shaped like the shard, plus a 4-byte step counter "
+        "for each parameter tensor: optimizer = 2 × params + 4 × len(list(plain.parameters())). To "
+        "measure: memory.model_bytes(model, optimizer) counts each DTensor's local shard; call it "
+        "where the TODO is, after optimizer.step().",
+    ],
+})
