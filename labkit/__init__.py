@@ -14,6 +14,12 @@ Script side (standard library only)::
     from labkit import metrics
     metrics.log(step, loss=loss.item(), samples=n)
 
+Script side, with torch (lessons 03 and 04)::
+
+    from labkit import syncbn, comm
+    model = DDP(syncbn.convert_sync_batchnorm(model))   # BatchNorm over all ranks, any backend
+    counter = comm.count_allreduces(model)              # DDP's gradient all-reduces, counted
+
 Names load lazily, so a rank that only imports ``labkit.metrics`` does not pay
 for pandas or matplotlib.
 """
@@ -46,7 +52,7 @@ _LAZY = {
     "NoMetricsError": "labkit._errors",
     "RankFailure": "labkit._errors",
 }
-_SUBMODULES = {"metrics", "data", "models"}
+_SUBMODULES = {"metrics", "data", "models", "syncbn", "comm"}
 
 __all__ = sorted([*_LAZY, *_SUBMODULES])
 
