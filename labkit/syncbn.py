@@ -33,7 +33,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["all_reduce_sum", "SyncBatchNorm", "convert_sync_batchnorm"]
+__all__ = ["all_reduce_sum", "allreduce_counts", "SyncBatchNorm", "convert_sync_batchnorm"]
+
+_issued = {"forward": 0, "backward": 0}  # all-reduces all_reduce_sum issued in this process
 
 
 class _AllReduceSum(torch.autograd.Function):
@@ -44,12 +46,14 @@ class _AllReduceSum(torch.autograd.Function):
         ctx.group = group
         total = tensor.clone()  # all_reduce works in place; the input stays as autograd saw it
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        _issued["forward"] += 1
         return total
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         grad = grad_output.contiguous().clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        _issued["backward"] += 1
         return grad, None
 
 
@@ -77,6 +81,23 @@ def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
         raise RuntimeError("all_reduce_sum needs a process group. "
                            "HINT: call dist.init_process_group(...) first (torchrun sets the rest).")
     return _AllReduceSum.apply(tensor, group)
+
+
+def allreduce_counts() -> dict:
+    """How many all-reduces ``all_reduce_sum`` has issued in this process, so far.
+
+    Returns:
+        ``{"forward": n, "backward": m}``: running totals (take differences
+        to count one step). Collectives that ``nn.SyncBatchNorm`` or DDP
+        issue are not included.
+
+    Example (lesson 03)::
+
+        before = sum(syncbn.allreduce_counts().values())
+        train_step()
+        per_step = sum(syncbn.allreduce_counts().values()) - before
+    """
+    return dict(_issued)
 
 
 def _world_size(group) -> int:
@@ -146,7 +167,7 @@ class SyncBatchNorm(_BatchNorm):
         xf = x if x.dtype in (torch.float32, torch.float64) else x.float()  # never in half
         count = torch.full((1,), x.numel() // channels, dtype=xf.dtype, device=x.device)
         local = torch.cat([xf.sum(dims), (xf * xf).sum(dims), count])
-        total = all_reduce_sum(local, self.process_group)   # the one collective of forward
+        total = self.sum_over_ranks(local)       # the one collective of forward
         n = total[-1]
         mean = total[:channels] / n
         var = (total[channels:2 * channels] / n - mean * mean).clamp_min(0)  # biased, like BN
@@ -163,6 +184,15 @@ class SyncBatchNorm(_BatchNorm):
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
         return out.to(x.dtype)
+
+    def sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
+        """Σ over ranks of [Σx per channel, Σx² per channel, count], differentiably.
+
+        Lesson 03's check script overrides it with a plain ``dist.all_reduce``
+        (autograd cannot see it) to show what goes wrong without the backward
+        all-reduce: right outputs, wrong input gradients.
+        """
+        return all_reduce_sum(local, self.process_group)
 
     def _update_factor(self) -> float:
         """Count this batch in num_batches_tracked; return BatchNorm's exponential_average_factor."""
