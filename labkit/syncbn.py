@@ -19,10 +19,12 @@ the gradient, because every rank's loss depends on every rank's inputs through
 the shared statistics. Autograd does the rest.
 
 Two honest caveats. ``Σx²/n − mean²`` loses precision when a channel's mean
-is far larger than its spread (``nn.SyncBatchNorm`` merges per-rank means and
-variances instead, with one more all-gather); BatchNorm inputs are near zero
-mean, and the lesson's checks agree with ``nn.BatchNorm2d`` to ~1e-6. And it is
-slower than ``nn.SyncBatchNorm``'s fused CUDA kernels: on GPUs, use PyTorch's.
+is far larger than its spread (``nn.SyncBatchNorm`` all-gathers each rank's
+mean, variance and count and merges them instead); BatchNorm inputs are near
+zero mean, and in float32 this layer agrees with ``nn.BatchNorm2d`` on the
+whole batch to about 1e-5 (tests/test_syncbn.py, and lesson 03's check). And
+it is slower than ``nn.SyncBatchNorm``'s fused CUDA kernels: on GPUs, use
+PyTorch's.
 """
 
 from __future__ import annotations
@@ -112,8 +114,8 @@ class SyncBatchNorm(_BatchNorm):
     A drop-in for ``nn.BatchNorm1d/2d/3d`` (same parameters, buffers and
     state_dict keys), usually made by ``convert_sync_batchnorm``. In training
     mode every call all-reduces one small tensor (2 numbers per channel and a
-    count), and its backward one more: every rank must run the same forward passes in
-    training mode. In ``eval()`` mode it uses the running statistics, like
+    count), and its backward one more: like any collective, every rank must
+    run the same forward passes in training mode. In ``eval()`` mode it uses the running statistics, like
     BatchNorm, and communicates nothing. Without a process group it is plain
     BatchNorm.
 
