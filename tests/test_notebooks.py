@@ -93,6 +93,11 @@ def test_executes_in_smoke_mode(path, notebook_copy):
         cwd=notebook_copy, env=env, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, f"nbmake failed on {path.name}:\n{result.stdout[-6000:]}"
+    # An IPython UsageError (e.g. an empty %%writefile cell) goes to stderr and stops the
+    # notebook there, yet nbmake reports a pass: every code cell must have run.
+    never_ran = [i for i, cell in enumerate(_cells(copy))
+                 if cell["cell_type"] == "code" and cell.get("execution_count") is None]
+    assert not never_ran, f"{path.name}: code cells {never_ran} never ran"
 
     launched = images = 0
     for cell in _cells(copy):
