@@ -31,12 +31,16 @@ __all__ = ["AllReduceCounter", "count_allreduces"]
 
 @dataclass
 class AllReduceCounter:
-    """What DDP all-reduced since the last ``reset()``.
+    """What DDP all-reduced since the last ``reset()``; ``count_allreduces`` makes one.
 
     Attributes:
         calls: bucket all-reduces (one per bucket per synchronised backward).
         bytes: bytes of gradient all-reduced (each bucket's flat buffer).
         process_group: the group DDP reduces over (None: every rank).
+
+    Example (lesson 04: one process has nothing to count, so a fresh counter stands in)::
+
+        counter = comm.count_allreduces(model) if ddp else comm.AllReduceCounter()
     """
 
     calls: int = 0

@@ -73,7 +73,11 @@ def _synced(rank: int, world_size: int, cases: list) -> list:
         assert len(case["sizes"]) == world_size
         start = sum(case["sizes"][:rank])
         layer = SyncBatchNorm(CHANNELS, momentum=case["momentum"]).to(getattr(torch, case["dtype"]))
-        results.append(_run(layer, case, slice(start, start + case["sizes"][rank])))
+        before = syncbn.allreduce_counts()
+        result = _run(layer, case, slice(start, start + case["sizes"][rank]))
+        after = syncbn.allreduce_counts()
+        result["allreduces"] = {k: after[k] - before[k] for k in after}
+        results.append(result)
     return results
 
 
@@ -124,6 +128,11 @@ def test_synced_over_ranks_equals_batchnorm_on_the_whole_batch(world_size):
     ranks = run_ranks(world_size, _synced, cases)
     for i, case in enumerate(cases):
         _assert_matches([result[i] for result in ranks], _reference(case), case)
+        # One all-reduce per training forward and one per backward; eval() and a world of
+        # one communicate nothing.
+        expected = STEPS if world_size > 1 else 0
+        for result in ranks:
+            assert result[i]["allreduces"] == {"forward": expected, "backward": expected}
 
 
 @pytest.mark.launch
