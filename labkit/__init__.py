@@ -18,7 +18,10 @@ Script side::
 
     from labkit import metrics                 # standard library only
     metrics.log(step, loss=loss.item(), samples=n)
-    from labkit import checkpoint, memory      # torch: atomic saves, RNG states; bytes measured
+    from labkit import syncbn, comm            # torch (lessons 03, 04):
+    model = DDP(syncbn.convert_sync_batchnorm(model))   # BatchNorm over all ranks, any backend
+    counter = comm.count_allreduces(model)              # DDP's gradient all-reduces, counted
+    from labkit import checkpoint, memory      # torch (lessons 05, 06): atomic saves, bytes
 
 Names load lazily, so a rank that only imports ``labkit.metrics`` does not pay
 for pandas or matplotlib.
@@ -60,7 +63,7 @@ _LAZY = {
     "check_resume": "labkit._checks",
     "check_fsdp": "labkit._checks",
 }
-_SUBMODULES = {"metrics", "data", "models", "checkpoint", "memory", "exercises"}
+_SUBMODULES = {"metrics", "data", "models", "checkpoint", "memory", "exercises", "syncbn", "comm"}
 
 __all__ = sorted([*_LAZY, *_SUBMODULES])
 

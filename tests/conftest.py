@@ -70,7 +70,8 @@ def copy_folder(name: str, dest: Path) -> Path:
 def execute(notebook: Path, *, timeout: int = 300) -> list[dict]:
     """Execute ``notebook`` in place with nbmake in smoke mode; return its executed cells.
 
-    Fails the test with the end of nbmake's report if a cell raised. MPLBACKEND is unset
+    Fails the test with the end of nbmake's report if a cell raised, and names any code
+    cell that never ran. MPLBACKEND is unset
     so that charts are kept as images, as in JupyterLab.
     """
     env = dict(os.environ, LABKIT_SMOKE="1")
@@ -81,4 +82,10 @@ def execute(notebook: Path, *, timeout: int = 300) -> list[dict]:
         cwd=notebook.parent, env=env, capture_output=True, text=True, timeout=3 * timeout,
     )
     assert result.returncode == 0, f"nbmake failed on {notebook.name}:\n{result.stdout[-6000:]}"
-    return json.loads(notebook.read_text())["cells"]
+    cells = json.loads(notebook.read_text())["cells"]
+    # An IPython UsageError (e.g. an empty %%writefile cell) goes to stderr and stops the
+    # notebook there, yet nbmake reports a pass: every code cell must have run.
+    never_ran = [i for i, cell in enumerate(cells)
+                 if cell["cell_type"] == "code" and cell.get("execution_count") is None]
+    assert not never_ran, f"{notebook.name}: code cells {never_ran} never ran"
+    return cells

@@ -95,3 +95,8 @@ def test_executes_in_smoke_mode(path, notebook_copy):
         images += sum("image/png" in o.get("data", {}) for o in outputs)
     if launched:
         assert images, f"{path.name} launched runs but kept no chart image"
+
+
+def test_lessons_03_and_04_keep_their_names():
+    """README's lesson table and the exercises point at these exact files."""
+    assert {"03_syncbn.ipynb", "04_accumulation.ipynb"} <= {p.name for p in NOTEBOOKS}

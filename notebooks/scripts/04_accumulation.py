@@ -1,0 +1,151 @@
+"""Lesson 04: the lesson-02 DDP loop, with gradients accumulated over micro-batches.
+
+Run it:  torchrun --standalone --nproc-per-node=2 scripts/04_accumulation.py --synthetic --accum-steps 4
+"""
+import argparse
+import math
+import os
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from labkit import comm, metrics
+from labkit.data import get_datasets
+from labkit.models import SmallResNet
+
+parser = argparse.ArgumentParser(description=__doc__)
+parser.add_argument("--epochs", type=int, default=5)
+parser.add_argument("--batch-size", type=int, default=128, help="per rank and micro-step")
+parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimiser step")
+parser.add_argument("--lr", type=float, default=0.05)
+parser.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
+                    help="scale --lr with the world size")
+parser.add_argument("--warmup-steps", type=int, default=0, help="ramp the lr up over this many steps")
+parser.add_argument("--width", type=int, default=32, help="channels of the first block")
+parser.add_argument("--norm", choices=["batch", "group"], default="batch",
+                    help="group: GroupNorm, no statistics shared across a batch (lesson 02's proof)")
+parser.add_argument("--train-size", type=int, default=None, help="use a subset of this many images")
+parser.add_argument("--test-size", type=int, default=None)
+parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+parser.add_argument("--log-every", type=int, default=10, help="steps between metrics lines")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--data-dir", default="data")
+parser.add_argument("--synthetic", action="store_true", help="the synthetic set, no CIFAR-10")
+parser.add_argument("--save", default=None, help="rank 0 saves the trained weights here")
+parser.add_argument("--no-sampler", action="store_true", help="pitfall: no DistributedSampler")
+parser.add_argument("--no-set-epoch", action="store_true", help="pitfall: never call set_epoch")
+parser.add_argument("--sync-every-micro-step", action="store_true", help="pitfall: no model.no_sync()")
+parser.add_argument("--no-loss-scale", action="store_true", help="pitfall: loss not divided by k")
+args = parser.parse_args()
+if args.accum_steps < 1:
+    parser.error(f"--accum-steps must be >= 1, got {args.accum_steps}")
+
+# --- the distributed part: torchrun starts one process per device ------------------------
+ddp = "RANK" in os.environ  # under plain `python` this is one process, no process group
+rank = int(os.environ.get("RANK", 0))
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+world_size = int(os.environ.get("WORLD_SIZE", 1))
+if torch.cuda.is_available():
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)  # before init: NCCL binds each rank to its own GPU
+else:
+    device = torch.device("cpu")
+if ddp:
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+master = rank == 0  # rank 0 alone prints summaries and saves files
+
+torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+data = get_datasets(args.data_dir, synthetic=args.synthetic, train_size=args.train_size,
+                    test_size=args.test_size, seed=args.seed)
+if master:
+    print(data.description)
+    print(f"per-rank batch {args.batch_size} × {world_size} rank(s) × {args.accum_steps} "
+          f"micro-step(s) = effective batch {args.batch_size * world_size * args.accum_steps}")
+
+# Each rank takes its own 1/world_size of every epoch, reshuffled per epoch by set_epoch.
+sampler = None if args.no_sampler else DistributedSampler(
+    data.train, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
+pin = device.type == "cuda"
+train_loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
+                          shuffle=sampler is None, drop_last=True, num_workers=args.workers,
+                          persistent_workers=args.workers > 0, pin_memory=pin)
+test_shard = Subset(data.test, range(rank, len(data.test), world_size))  # no padding, no overlap
+test_loader = DataLoader(test_shard, batch_size=256, num_workers=args.workers, pin_memory=pin)
+
+model = SmallResNet(width=args.width, norm=args.norm).to(device)  # on its device BEFORE wrapping
+counter = comm.AllReduceCounter()  # one process: nothing is all-reduced, it stays at zero
+if ddp:
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    counter = comm.count_allreduces(model)  # counts DDP's gradient all-reduces, then does them
+
+scale = {"none": 1.0, "linear": world_size, "sqrt": math.sqrt(world_size)}[args.lr_scaling]
+optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * scale, momentum=0.9, weight_decay=5e-4)
+scheduler = torch.optim.lr_scheduler.LambdaLR(
+    optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0)
+
+
+def evaluate() -> float:
+    model.eval()
+    counts = torch.zeros(2, device=device)  # correct, total: on this rank's shard
+    with torch.no_grad():
+        for x, y in test_loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            counts += torch.stack([(model(x).argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
+    if ddp:
+        dist.all_reduce(counts)  # sum over ranks: the accuracy of the whole test set
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
+step = 0
+window_loss = torch.zeros((), device=device)
+for epoch in range(args.epochs):
+    if sampler is not None and not args.no_set_epoch:
+        sampler.set_epoch(epoch)  # without it, every epoch repeats the same order
+    if sampler is not None:
+        order = tuple(list(iter(sampler))[:16])  # this rank's first samples this epoch
+        metrics.log(step, epoch=epoch, order_fingerprint=hash(order) % 1_000_000_007)
+    epoch_start = time.perf_counter()
+    usable = len(train_loader) // args.accum_steps * args.accum_steps  # whole optimiser steps only
+    for micro, (x, y) in enumerate(train_loader):
+        if micro == usable:
+            break
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        last = (micro + 1) % args.accum_steps == 0  # the micro-step that ends an optimiser step
+        quiet = ddp and not last and not args.sync_every_micro_step
+        with model.no_sync() if quiet else nullcontext():  # no all-reduce: keep adding locally
+            loss = F.cross_entropy(model(x), y)  # forward too: DDP prepares its hooks in forward
+            (loss if args.no_loss_scale else loss / args.accum_steps).backward()  # grads add up
+        window_loss += loss.detach()
+        if not last:
+            continue
+        optimizer.step()  # the gradients of all k micro-batches, all-reduced once
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)  # after the step: the next one starts from zero
+        step += 1
+        if step % args.log_every == 0:
+            metrics.log(step, loss=(window_loss / (args.log_every * args.accum_steps)).item(),
+                        samples=args.log_every * args.accum_steps * args.batch_size, epoch=epoch,
+                        lr=scheduler.get_last_lr()[0], allreduces=counter.calls,
+                        allreduced_bytes=counter.bytes)  # this window's, counted by the hook
+            window_loss.zero_()
+            counter.reset()
+    accuracy = evaluate()
+    mean_loss = loss.detach().clone()
+    if ddp:
+        dist.all_reduce(mean_loss)  # a sum (gloo has no average)...
+        mean_loss /= world_size     # ...so divide by the number of ranks
+    metrics.log(step, test_acc=accuracy, epoch=epoch)
+    if master:
+        print(f"epoch {epoch}: {step} steps, last loss {mean_loss.item():.3f} (mean of ranks), "
+              f"test accuracy {accuracy:.1%}, {time.perf_counter() - epoch_start:.1f} s")
+
+if master and args.save:
+    torch.save(model.module.state_dict() if ddp else model.state_dict(), args.save)  # unwrapped
+if ddp:
+    dist.destroy_process_group()
