@@ -12,7 +12,10 @@ would) it:
    with the prints that led to it;
 4. lets the launcher ask for every thread's Python stack with SIGUSR1 (how a
    timeout names the line a hung rank is stuck on);
-5. ends the rank without the interpreter's final teardown (see ``_exit``).
+5. writes the rank's last metrics lines to disk when torchrun ends it with
+   SIGTERM (as it does to every healthy rank when one fails), then dies by
+   that signal as it would have (see ``_flush_on_sigterm``);
+6. ends the rank without the interpreter's final teardown (see ``_exit``).
 
 An uncaught exception is written, with its traceback, to torchrun's error file
 and to the run folder's ``errors/`` for LaunchError to report.
@@ -58,6 +61,81 @@ def _watch(parent_pid: int, launcher_pid: int | None, launcher_token: str | None
             if os.getpgid(0) == os.getpid():
                 os.killpg(os.getpid(), signal.SIGKILL)  # takes DataLoader workers too
             os._exit(1)
+
+
+def _die_by_sigterm() -> None:
+    """Flush what this rank wrote, then end it by SIGTERM, as if no handler had been set."""
+    try:
+        metrics.flush()
+    except RuntimeError:  # the handler interrupted a write to the same buffer: keep what is on disk
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, RuntimeError):  # RuntimeError: a reentrant call from a thread
+            pass
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    else:  # signal.signal works only in the main thread; libc's signal() works in any
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).signal(int(signal.SIGTERM), 0)  # 0 is SIG_DFL
+        except (OSError, AttributeError):
+            os._exit(128 + signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _on_sigterm(signum, frame) -> None:
+    _die_by_sigterm()
+
+
+def _sigterm_watch(read_fd: int) -> None:
+    while True:
+        try:
+            received = os.read(read_fd, 64)
+        except OSError:
+            return
+        if not received:
+            return
+        if signal.SIGTERM in received:
+            _die_by_sigterm()
+
+
+def _undo_in_child() -> None:
+    """A forked child (a DataLoader worker) shares the pipe: its SIGTERM must not end the rank."""
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # forked from a thread other than the main one
+        pass
+
+
+def _flush_on_sigterm() -> None:
+    """Keep the metrics lines a rank logged in its last half second when SIGTERM ends it.
+
+    torchrun sends SIGTERM to every other rank when one fails; the default action
+    kills at once, and what the metrics buffer held was lost (lesson 05's check
+    compares the lines logged just before a crash). Python runs a signal handler
+    only in the main thread, and only once it is back in Python: a rank blocked in
+    a gloo or NCCL collective never is. So the handler also writes the signal's
+    number to a pipe (``signal.set_wakeup_fd``) from whichever thread received it,
+    and a watcher thread that reads the pipe flushes and ends the rank. Whichever
+    of the two comes first does it; both do the same.
+    """
+    if not hasattr(signal, "set_wakeup_fd") or os.name != "posix":
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread: leave the default action
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    os.register_at_fork(after_in_child=_undo_in_child)
+    threading.Thread(target=_sigterm_watch, args=(read_fd,), name="labkit-sigterm", daemon=True).start()
 
 
 def _script_traceback(exc: BaseException, script: str) -> str:
@@ -126,6 +204,7 @@ def main(argv: list[str]) -> int:
     ).start()
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _flush_on_sigterm()
 
     # Look like `python SCRIPT ARGS`: argv, sys.path[0] and __main__.
     sys.argv = [script, *argv[1:]]

@@ -230,6 +230,39 @@ def test_a_hang_becomes_a_timeout_that_says_where_each_rank_was(workdir, write_s
 
 
 @pytest.mark.launch
+@pytest.mark.parametrize("blocked_in", ["time.sleep(300)", "dist.all_reduce(torch.ones(1))"])
+def test_a_rank_ended_by_sigterm_keeps_the_metrics_it_logged(workdir, write_script, blocked_in):
+    """torchrun ends the healthy ranks with SIGTERM when one fails: their last lines must reach disk.
+
+    The timed flush is switched off, so only the SIGTERM handling can save the line. In
+    ``time.sleep`` Python runs the handler; inside a gloo collective the main thread never
+    returns to Python, and a watcher thread must do it.
+    """
+    write_script("terminated.py", f"""
+        import os, signal, time, torch, torch.distributed as dist
+        from labkit import metrics
+        metrics._FLUSH_EVERY_S = 3600  # no timed flush
+        dist.init_process_group("gloo")
+        pids = [None, None]
+        dist.all_gather_object(pids, os.getpid())
+        if dist.get_rank() == 0:
+            metrics.log(7, loss=0.25)
+            {blocked_in}
+        else:
+            time.sleep(2)  # rank 0 is blocked by now
+            os.kill(pids[0], signal.SIGTERM)
+            time.sleep(300)
+    """)
+    with pytest.raises(LaunchError) as info:
+        labkit.launch("terminated.py", nproc=2, timeout=60)
+    run = info.value.run
+    assert "killed by SIGTERM" in str(info.value)
+    logged = run.metrics()
+    assert list(logged.loc[logged["rank"] == 0, "step"]) == [7], logged
+    assert all_gone(run.run_dir, timeout=5)
+
+
+@pytest.mark.launch
 def test_a_rank_ends_like_python_but_skips_the_final_teardown(workdir, write_script):
     """atexit handlers and non-daemon threads still run; the interpreter's teardown does not.
 
