@@ -59,7 +59,9 @@ _LAZY = {
     "check_training_loop": "labkit._checks",
     "check_ddp": "labkit._checks",
     "hint": "labkit._hints",
-    # exercises 05 and 06
+    # exercises 03 to 06
+    "check_syncbn": "labkit._checks",
+    "check_accumulation": "labkit._checks",
     "check_resume": "labkit._checks",
     "check_fsdp": "labkit._checks",
 }

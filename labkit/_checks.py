@@ -694,3 +694,483 @@ def _misprediction(rank: int, predicted: tuple, truth: dict, whole: int, world: 
                 f"rank {rank} holds {truth['optimizer']:,} bytes of optimizer state, not {optim:,}.")
     return (f"you predicted {optim:,} bytes of optimizer state on rank {rank}; it holds {truth['optimizer']:,}: "
             f"two moments the size of its shard, and a 4-byte step counter per parameter tensor.")
+
+
+# ==============================================================================================
+# Exercises 03 (SyncBatchNorm) and 04 (gradient accumulation)
+# ==============================================================================================
+__all__ += ["check_syncbn", "check_accumulation"]
+
+
+def _saved(feedback: Feedback, run, stem: str):
+    """{rank: what the rank saved as ``<run folder>/<stem>_rank<R>.pt``}; else a finding and None."""
+    import torch
+
+    found, missing = {}, []
+    for rank in range(run.nproc):
+        path = run.run_dir / f"{stem}_rank{rank}.pt"
+        if not path.is_file():
+            missing.append(rank)
+            continue
+        try:
+            found[rank] = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - whatever it is, the learner needs to hear it
+            feedback.fail(f"{path.name} does not load ({str(err).strip().splitlines()[0][:200]}): keep the "
+                          f"skeleton's torch.save(...) line as it is.")
+            return None
+    if missing:
+        feedback.fail(f"{_on(missing, run.nproc)} saved nothing in the run folder ({stem}_rank<R>.pt): keep "
+                      f"the skeleton's torch.save(...) at the end, and the default of --out.")
+        return None
+    return found
+
+
+def _config(df, columns: list[str]) -> dict:
+    """The settings the skeleton logged at step 0 (rank 0's line)."""
+    row = df.dropna(subset=columns)
+    row = row[row["rank"] == 0].iloc[0]
+    return {c: row[c] for c in columns}
+
+
+def _gap(got, want) -> float:
+    """Largest difference, relative to the largest value wanted (and absolute below 1)."""
+    want = want.double()
+    return float((got.double() - want).abs().max() / max(1.0, float(want.abs().max())))
+
+
+def _near(got, want, rtol: float = 1e-3) -> bool:
+    """Close enough to name a mistake by what it computed (not the pass/fail tolerance)."""
+    import torch
+
+    return got.shape == want.shape and bool(torch.allclose(got.double(), want.double(), rtol=rtol, atol=1e-4))
+
+
+# -- 03: SyncBatchNorm from one differentiable all-reduce ---------------------------------------
+#: Exercise 03's tolerance on every comparison (lesson 03's): float32 sums added in another order.
+TOL_03 = 1e-4
+MOMENTUM_03, EPS_03 = 0.1, 1e-5
+_KEYS_03 = ("output", "input_grad", "weight_grad", "bias_grad", "running_mean", "running_var")
+
+
+def _syncbn_reference(seed: int, sizes: list[int], channels: int, size: int, steps: int):
+    """What ``nn.BatchNorm2d`` computes on the global batch (every rank's samples together), in float64.
+
+    The data are drawn exactly as exercise 03's skeleton draws them: rank r from seed + 1 + r,
+    its inputs and then its upstream gradient at each step. Returns (weight, bias, steps), each
+    step a dict: "x", "output", "input_grad" (lists, one tensor per rank), "weight_grad",
+    "bias_grad", "running_mean", "running_var" (after the step).
+    """
+    import torch
+    from torch import nn
+
+    init = torch.Generator().manual_seed(seed)
+    weight = 0.5 + torch.rand(channels, generator=init)
+    bias = torch.rand(channels, generator=init) - 0.5
+    bn = nn.BatchNorm2d(channels, eps=EPS_03, momentum=MOMENTUM_03).double()
+    with torch.no_grad():
+        bn.weight.copy_(weight)
+        bn.bias.copy_(bias)
+    data = [torch.Generator().manual_seed(seed + 1 + r) for r in range(len(sizes))]
+    found = []
+    for _ in range(steps):
+        xs, grads = [], []
+        for r, n in enumerate(sizes):
+            shape = (n, channels, size, size)
+            xs.append(torch.randn(shape, generator=data[r]) * (1 + r) + 2 * r)
+            grads.append(torch.randn(shape, generator=data[r]))
+        x = torch.cat(xs).double().requires_grad_()
+        bn.zero_grad(set_to_none=True)
+        y = bn(x)
+        y.backward(torch.cat(grads).double())
+        found.append({"x": [t.double() for t in xs], "output": list(y.detach().split(sizes)),
+                      "input_grad": list(x.grad.split(sizes)), "weight_grad": bn.weight.grad.clone(),
+                      "bias_grad": bn.bias.grad.clone(), "running_mean": bn.running_mean.clone(),
+                      "running_var": bn.running_var.clone()})
+    return weight.double(), bias.double(), found
+
+
+def _stats_used(x, y, weight, bias, eps: float = EPS_03):
+    """The per-channel (mean, variance, fit residual) a layer normalised ``x`` with, read from its output.
+
+    Fits y = a·x + c per channel; BatchNorm's y = weight·(x − mean)/√(var + eps) + bias gives
+    a = weight/√(var + eps) and c = bias − a·mean.
+    """
+    xs, ys = x.double().transpose(0, 1).flatten(1), y.double().transpose(0, 1).flatten(1)
+    xc = xs - xs.mean(1, keepdim=True)
+    slope = (xc * (ys - ys.mean(1, keepdim=True))).sum(1) / (xc * xc).sum(1)
+    offset = ys.mean(1) - slope * xs.mean(1)
+    residual = float((ys - (slope[:, None] * xs + offset[:, None])).abs().max())
+    return (bias - offset) / slope, (weight / slope) ** 2 - eps, residual
+
+
+def _explain_output(xs: list, ys: list, weight, bias) -> str:
+    """Why a first step's outputs differ from BatchNorm's on the global batch: the statistics used, named."""
+    import torch
+
+    dims = (0, 2, 3)
+    counts = [x[:, 0].numel() for x in xs]
+    n, world = sum(counts), len(xs)
+    whole = torch.cat(xs)
+    mean, var = whole.mean(dims), whole.var(dims, unbiased=False)
+    local = [(x.mean(dims), x.var(dims, unbiased=False)) for x in xs]
+    plain_mean = torch.stack([m for m, _ in local]).mean(0)
+    plain_var = torch.stack([v for _, v in local]).mean(0)
+    within = sum(c * v for c, (_, v) in zip(counts, local)) / n
+    sizes = " and ".join(str(len(x)) for x in xs) if world == 2 else "different numbers of"
+    used = [_stats_used(x, y, weight, bias) for x, y in zip(xs, ys)]
+    scale = max(1.0, float(whole.abs().max()))
+    if max(residual for _, _, residual in used) > 1e-3 * scale:
+        return ("the outputs are not the inputs normalised per channel: compute one mean and one variance per "
+                "channel, over the batch and the pixels (dimensions 0, 2 and 3), then (x − mean) / √(var + eps) "
+                "· weight + bias.")
+    if all(_near(m, lm) and _near(v, lv) for (m, v, _), (lm, lv) in zip(used, local)):
+        return ("each rank normalised its slice with its own mean and variance, as plain BatchNorm does: add up "
+                "Σx, Σx² and the count over the ranks (one all-reduce) before you compute them.")
+    if all(_near(m, plain_mean) for m, _, _ in used):
+        also = (" (and the variance as the plain average of the ranks' variances)"
+                if all(_near(v, plain_var) for _, v, _ in used) else "")
+        return (f"you took the mean as the plain average of the ranks' means{also}. The ranks hold {sizes} "
+                f"samples, so a rank's mean does not count as much as another's: all-reduce the sums and the "
+                f"count, and divide the global Σx by the global n.")
+    if all(_near(m, mean) for m, _, _ in used):
+        if all(_near(v, plain_var) or _near(v, within) for _, v, _ in used):
+            return ("the mean is right, but the variance is an average of the ranks' variances: that misses how "
+                    "far the ranks' means are from each other. Use the global Σx² / n − mean².")
+        if all(_near(v, var * n / (n - 1)) for _, v, _ in used):
+            return (f"you normalised with the unbiased variance (÷ n − 1). BatchNorm normalises with the biased "
+                    f"one, Σx² / n − mean², and keeps the unbiased one (× n/(n − 1), n = {n}, the global count) "
+                    f"only for running_var.")
+        return "the mean is right, but the variance is not: Σx² / n − mean², with the global sums and count."
+    plain = [_stats_used(x, y, torch.ones_like(weight), torch.zeros_like(bias)) for x, y in zip(xs, ys)]
+    if all(_near(m, mean) and _near(v, var) for m, v, _ in plain):
+        return "the statistics are right, but the output lacks weight and bias: return x̂ · weight + bias."
+    return ("the outputs differ from BatchNorm's on the global batch, and so does the mean they were "
+            "normalised with: the global mean is the global Σx over the global n.")
+
+
+def _explain_running(got_mean, got_var, xs, momentum: float = MOMENTUM_03) -> str:
+    """Why the running statistics after the first step (from 0 and 1) are not BatchNorm's."""
+    import torch
+
+    dims = (0, 2, 3)
+    whole = torch.cat(xs)
+    n = whole[:, 0].numel()
+    mean, var = whole.mean(dims), whole.var(dims, unbiased=False)
+    unbiased = var * n / (n - 1)
+    if _near(got_mean, torch.zeros_like(mean)) and _near(got_var, torch.ones_like(var)):
+        return ("running_mean and running_var never changed: update them in training mode, "
+                "running = (1 − momentum) · running + momentum · batch statistic, or eval() normalises "
+                "with 0 and 1.")
+    if _near(got_mean, (1 - momentum) * mean):
+        return ("the running statistics moved by 1 − momentum, not momentum: momentum is the weight of the "
+                "new batch, running = (1 − momentum) · running + momentum · batch (running.lerp_(new, momentum)).")
+    if _near(got_mean, mean) and (_near(got_var, var) or _near(got_var, unbiased)):
+        return ("the running statistics are the batch's own, with no momentum: running = (1 − momentum) · "
+                "running + momentum · batch statistic.")
+    if _near(got_mean, momentum * mean) and _near(got_var, (1 - momentum) + momentum * var):
+        return (f"running_var holds the biased variance (÷ n). BatchNorm keeps the unbiased one there, "
+                f"var · n/(n − 1) with n = {n}, the global count, while it normalises with the biased one.")
+    return ("the running statistics after the first step are not BatchNorm's: running_mean should be "
+            "momentum · the global mean, and running_var (1 − momentum) + momentum · the global unbiased "
+            "variance.")
+
+
+def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout: float = 180) -> Feedback:
+    """Exercise 03-syncbn: a synchronised BatchNorm built from one differentiable all-reduce computes
+    what ``nn.BatchNorm2d`` computes on the whole global batch, in forward and backward.
+
+    Launches the script on 2 ranks (every GPU, if there are two or more), which hold different
+    numbers of samples on purpose. The script saves what its layer computed at each step; the
+    check draws the same seeded data itself, runs ``nn.BatchNorm2d`` (float64) on every rank's
+    samples together, and compares: the outputs, the input gradients, the weight and bias
+    gradients added over the ranks, and the running statistics. A mismatch is named by the
+    statistics the outputs were normalised with (read back from them).
+
+    Args:
+        target: the exercise's script, or a finished Run of it.
+        timeout: seconds the launch may take.
+
+    Returns:
+        a Feedback; a mistake in the script is a finding, never an exception.
+
+    Example (exercises/03_syncbn.ipynb)::
+
+        labkit.check_syncbn("scripts/ex03_syncbn.py")
+    """
+    feedback, run = attempt("03-syncbn", target, timeout=timeout, name="check-03-syncbn", **_ranks(2))
+    if run is None:
+        return feedback
+    columns = ["samples", "channels", "size", "steps", "seed"]
+    df = _metrics(feedback, run, columns)
+    saved = None if df is None else _saved(feedback, run, "ex03")
+    if saved is None:
+        return feedback
+    sizes = df.dropna(subset=["channels"]).groupby("rank")["samples"].first().astype(int).tolist()
+    setting = {c: int(v) for c, v in _config(df, columns).items()}
+    steps = setting["steps"]
+    weight, bias, want = _syncbn_reference(setting["seed"], sizes, setting["channels"], setting["size"], steps)
+    world, total = run.nproc, sum(sizes)
+    broken = [r for r in range(world) if len(saved[r]) != steps or any(
+        set(s) != set(_KEYS_03) or s["output"] is None or s["output"].shape != w["output"][r].shape
+        for s, w in zip(saved[r], want))]
+    if broken:
+        feedback.fail(f"{_on(broken, world)} saved something else than the skeleton saves (an output of the "
+                      f"input's shape at each of the {steps} steps): keep the skeleton's loop as it is.")
+        return feedback
+
+    def worst(key, per_rank=True):
+        """(largest gap, step) over the steps (and ranks) for one saved quantity; inf where it is missing."""
+        gaps = []
+        for s in range(steps):
+            for r in range(world):
+                got = saved[r][s][key]
+                wanted = want[s][key][r] if per_rank else want[s][key]
+                gaps.append((float("inf") if got is None or got.shape != wanted.shape else _gap(got, wanted), s + 1))
+        return max(gaps)
+
+    shards = " and ".join(map(str, sizes)) if world == 2 else ", ".join(map(str, sizes))
+    gap, step = worst("output")
+    outputs_right = gap <= TOL_03
+    if outputs_right:
+        feedback.ok(f"the ranks hold {shards} samples ({total} together, uneven on purpose), and every rank's "
+                    f"outputs equal nn.BatchNorm2d's on all {total} at once, at each of the {steps} steps "
+                    f"(largest gap {gap:.1e}; tolerance {TOL_03:g})")
+    elif step == 1:
+        feedback.fail(_explain_output(want[0]["x"], [saved[r][0]["output"] for r in range(world)], weight, bias))
+    else:
+        feedback.fail(f"the outputs are right at the first step but not at step {step} (gap {gap:.1e}): each step "
+                      f"must use that step's statistics only.")
+
+    if outputs_right:
+        gap, step = worst("input_grad")
+        missing = any(saved[r][0]["input_grad"] is None for r in range(world))
+        if gap <= TOL_03:
+            feedback.ok(f"so are the input gradients (largest gap {gap:.1e}): the gradient flows back through the "
+                        f"all-reduce to every rank's inputs")
+        elif missing:
+            feedback.fail("no gradient reached the inputs: do not detach x or compute the output under "
+                          "torch.no_grad(); only the running statistics' update belongs there.")
+        else:
+            feedback.fail(f"the outputs are right, but the input gradients are not (off by up to {gap:.1e}): the "
+                          f"gradient does not travel back through the all-reduce. Every rank's loss depends on every "
+                          f"rank's inputs, so AllReduceSum.backward must all-reduce grad_output too; a plain "
+                          f"dist.all_reduce in forward is invisible to autograd.")
+        shares = []
+        for s in range(steps):
+            parts = [saved[r][s][k] for r in range(world) for k in ("weight_grad", "bias_grad")]
+            if any(p is None for p in parts):
+                shares.append(float("inf"))
+                continue
+            got = [sum(saved[r][s][k].double() for r in range(world)) for k in ("weight_grad", "bias_grad")]
+            shares.append(max(_gap(got[0], want[s]["weight_grad"]), _gap(got[1], want[s]["bias_grad"])))
+        feedback.expect(max(shares) <= TOL_03,
+                        f"the weight and bias gradients, added over the ranks as DDP would, equal BatchNorm's "
+                        f"(largest gap {max(shares):.1e})",
+                        "the weight and bias gradients, added over the ranks, are not BatchNorm's: the output is "
+                        "x̂ · weight + bias, with weight and bias the layer's own parameters.")
+
+    gap_mean, step_mean = worst("running_mean", per_rank=False)
+    gap_var, step_var = worst("running_var", per_rank=False)
+    if max(gap_mean, gap_var) <= TOL_03:
+        feedback.ok(f"running_mean and running_var follow BatchNorm's on every rank: momentum {MOMENTUM_03:g}, "
+                    f"the unbiased global variance (largest gap {max(gap_mean, gap_var):.1e})")
+    elif min(step_mean, step_var) == 1 and any(saved[r][0][k] is None for r in range(world)
+                                               for k in ("running_mean", "running_var")):
+        feedback.fail("the layer has no running statistics any more: keep the buffers of nn.BatchNorm2d and "
+                      "update them in place.")
+    else:
+        first = {r: (saved[r][0]["running_mean"], saved[r][0]["running_var"]) for r in range(world)}
+        step = min(s for s, g in ((step_mean, gap_mean), (step_var, gap_var)) if g > TOL_03)
+        right_first = all(_gap(m, want[0]["running_mean"]) <= TOL_03 and _gap(v, want[0]["running_var"]) <= TOL_03
+                          for m, v in first.values())
+        if right_first:
+            feedback.fail(f"the running statistics are right after the first step, not after step {step}: keep "
+                          f"(1 − momentum) of the old value each time, running.lerp_(new, momentum).")
+        elif not outputs_right:
+            feedback.fail("the running statistics are not BatchNorm's either: they follow from the global mean "
+                          "and variance, momentum · mean into running_mean and the unbiased variance into "
+                          "running_var.")
+        else:
+            feedback.fail(_explain_running(*first[0], want[0]["x"]))
+    return feedback
+
+
+# -- 04: gradient accumulation under DDP -------------------------------------------------------
+def _accumulation_reference(seed: int, world_size: int, k: int, batch_size: int, dim: int, steps: int,
+                            lr: float) -> dict:
+    """One process, one big batch per optimizer step (every rank's k micro-batches together), plain SGD.
+
+    The model and data are made exactly as exercise 04's skeleton makes them: the model from
+    ``torch.manual_seed(seed)``, rank r's micro-batches from seed + 1 + r. Returns "grads" (the
+    flat gradient of each step), "weights" (after the last step), and the first step's gradient
+    as three mistakes would compute it: "unscaled" (k times), "local" (each rank's own, never
+    all-reduced) and "last_only" (only the last micro-batch's, divided by k).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from labkit.models import MLPStack
+
+    torch.manual_seed(seed)
+    model = MLPStack(dim=dim, depth=1, in_features=dim)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    data = [torch.Generator().manual_seed(seed + 1 + r) for r in range(world_size)]
+
+    def gradient(x, y, scale=1.0):
+        optimizer.zero_grad(set_to_none=True)
+        (F.cross_entropy(model(x), y) * scale).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    found = {"grads": []}
+    for step in range(steps):
+        micro = [[(torch.randn(batch_size, dim, generator=gen), torch.randint(0, 10, (batch_size,), generator=gen))
+                  for _ in range(k)] for gen in data]
+        mine = [(torch.cat([x for x, _ in m]), torch.cat([y for _, y in m])) for m in micro]
+        if step == 0:
+            found["local"] = [gradient(x, y) for x, y in mine]
+            found["last_only"] = sum(gradient(*m[-1], scale=1 / k) for m in micro) / world_size
+        grad = gradient(torch.cat([x for x, _ in mine]), torch.cat([y for _, y in mine]))
+        if step == 0:
+            found["unscaled"] = k * grad
+        found["grads"].append(grad)
+        optimizer.step()
+    found["weights"] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return found
+
+
+def _explain_gradient(used: dict, reference: dict, k: int) -> str:
+    """Why the gradients the first optimizer.step() used ({rank: flat tensor}) are not one big batch's."""
+    import torch
+
+    if any(torch.isnan(g).any() for g in used.values()):
+        return ("some parameters had no gradient when optimizer.step() ran (.grad was None): clear the gradients "
+                "only after the step, never between the last backward() and optimizer.step().")
+    if all(_near(g, reference["unscaled"]) for g in used.values()):
+        return (f"the gradient is {k}× too large: with the loss not divided by k, the {k} micro-batch gradients add "
+                f"up to the sum of {k} means, not the mean of the effective batch. Call (loss / k).backward().")
+    if all(_near(g, reference["local"][r]) for r, g in used.items()):
+        return ("each rank stepped with its own gradient, never averaged with the other ranks': with no_sync on "
+                "the last micro-step too, DDP never all-reduces. Run the last micro-step outside model.no_sync().")
+    if all(_near(g, reference["last_only"]) for g in used.values()):
+        return (f"only the last micro-batch's gradient (÷ {k}) reached optimizer.step(): zero_grad inside the "
+                f"micro-step loop clears what the earlier micro-steps added. Clear the gradients once per optimizer "
+                f"step, after optimizer.step().")
+    want = reference["grads"][0]
+    gap = max(_gap(g, want) for g in used.values())
+    return (f"the gradient of the first optimizer step differs from one big batch's by up to {gap:.1e} of the "
+            f"largest gradient: add up the k micro-steps' gradients of (loss / k), all-reduced once, after the last.")
+
+
+def check_accumulation(target="scripts/ex04_accumulation.py", *, timeout: float = 180) -> Feedback:
+    """Exercise 04-accumulation: k micro-steps under DDP make one optimizer step whose gradient is
+    that of one batch k × world size times larger, with one all-reduce of the gradients per step.
+
+    Launches the script on 2 ranks (every GPU, if there are two or more). A hook in the skeleton
+    records the gradient each ``optimizer.step()`` call uses; a DDP communication hook counts the
+    bytes all-reduced. The check builds the same model and draws the same seeded data itself,
+    takes each optimizer step on one big batch (every rank's k micro-batches together) in one
+    process, and compares: the calls to ``optimizer.step()``, the all-reduced bytes against the
+    gradients' bytes, the gradient of every step, and the final weights on every rank.
+
+    Args:
+        target: the exercise's script, or a finished Run of it.
+        timeout: seconds the launch may take.
+
+    Returns:
+        a Feedback; a mistake in the script is a finding, never an exception.
+
+    Example (exercises/04_accumulation.ipynb)::
+
+        labkit.check_accumulation("scripts/ex04_accumulation.py")
+    """
+    feedback, run = attempt("04-accumulation", target, timeout=timeout, name="check-04-accumulation",
+                            **_ranks(2))
+    if run is None:
+        return feedback
+    columns = ["accum_steps", "batch_size", "dim", "steps", "lr", "seed"]
+    df = _metrics(feedback, run, [*columns, "step_calls", "allreduced_bytes", "param_bytes"])
+    saved = None if df is None else _saved(feedback, run, "ex04")
+    if saved is None:
+        return feedback
+    setting = _config(df, columns)
+    k, steps, world = int(setting["accum_steps"]), int(setting["steps"]), run.nproc
+    per_step = df.dropna(subset=["step_calls"])
+    if sorted(per_step["step"].unique()) != list(range(1, steps + 1)) or len(per_step) != steps * world:
+        feedback.fail(f"the skeleton logs one line per optimizer step, {steps} on each rank; it logged "
+                      f"{len(per_step)} in all: keep its loop and metrics.log(...) as they are.")
+        return feedback
+    reference = _accumulation_reference(int(setting["seed"]), world, k, int(setting["batch_size"]),
+                                        int(setting["dim"]), steps, float(setting["lr"]))
+    effective = world * k * int(setting["batch_size"])
+    tolerance = 1e-5 if run.info.get("device") == "cpu" else 1e-4  # lesson 04's (GPU kernels round otherwise)
+
+    # 1. One optimizer.step() per optimizer step.
+    calls = sorted(set(per_step["step_calls"].astype(int)))
+    if calls == [1]:
+        feedback.ok(f"optimizer.step() ran once per optimizer step, after all {k} micro-steps")
+    elif calls == [0]:
+        feedback.fail(f"optimizer.step() was never called: call it once per optimizer step, after the last of "
+                      f"the {k} micro-steps.")
+    elif calls == [k]:
+        feedback.fail(f"optimizer.step() ran {k} times per optimizer step, once per micro-step: the point is one "
+                      f"step with the gradient of all {k} micro-batches. Step once, after the last micro-step.")
+    else:
+        feedback.fail(f"optimizer.step() ran {', '.join(map(str, calls))} times in an optimizer step; once, after "
+                      f"the last of the {k} micro-steps, is right.")
+
+    # 2. One all-reduce of every gradient per optimizer step, counted by the DDP hook.
+    param_bytes = int(per_step["param_bytes"].iloc[0])
+    reduced = sorted(set(per_step["allreduced_bytes"].astype(int)))
+    if reduced == [param_bytes]:
+        feedback.ok(f"DDP all-reduced every gradient once per optimizer step ({param_bytes:,} bytes, counted by a "
+                    f"communication hook): no_sync kept the other {k - 1} micro-steps local")
+    elif reduced == [k * param_bytes]:
+        feedback.fail(f"DDP all-reduced every gradient {k} times per optimizer step ({k} × {param_bytes:,} bytes). "
+                      f"Correct but wasteful: the result is the same, but {k - 1} of the {k} all-reduces carry "
+                      f"partial sums that the next micro-step changes again. Wrap every micro-step but the last, "
+                      f"forward and backward, in model.no_sync().")
+    elif reduced == [0]:
+        feedback.fail("DDP never all-reduced a gradient (0 bytes counted): no_sync on the last micro-step too, so "
+                      "the ranks never average their gradients, and their weights drift apart. Run the last "
+                      "micro-step outside model.no_sync().")
+    else:
+        shown = ", ".join(f"{b / param_bytes:g}×" for b in reduced)
+        feedback.fail(f"DDP all-reduced {shown} the gradients' {param_bytes:,} bytes in an optimizer step; once is "
+                      f"right: model.no_sync() on every micro-step but the last.")
+
+    # 3. The gradient each optimizer.step() used, against one big batch's (comparable when it steps once).
+    if calls == [1]:
+        used = [{r: saved[r]["used"][s] for r in range(world)} for s in range(steps)]
+        gaps = [max(_gap(g, reference["grads"][s]) if g.shape == reference["grads"][s].shape else float("inf")
+                    for g in used[s].values()) for s in range(steps)]
+        wrong = [s for s, g in enumerate(gaps) if not g <= tolerance]
+        if not wrong:
+            feedback.ok(f"the gradient of every optimizer step, on every rank, is that of one batch of {world} × "
+                        f"{k} × {setting['batch_size']:.0f} = {effective} samples in one process (largest gap "
+                        f"{max(gaps):.1e} of the largest gradient; tolerance {tolerance:g})")
+        elif wrong[0] == 0:
+            feedback.fail(_explain_gradient(used[0], reference, k))
+        else:
+            s = wrong[0]
+            leftover = all(_near(used[s][r] - used[s - 1][r], reference["grads"][s]) for r in range(world))
+            first = "the first optimizer step is" if s == 1 else f"the first {s} optimizer steps are"
+            feedback.fail(f"{first} right, but from step {s + 1} on the gradient "
+                          + ("still holds the previous step's: clear the gradients after every optimizer.step() "
+                             "(optimizer.zero_grad(set_to_none=True))." if leftover else
+                             f"differs from one big batch's (by {gaps[s]:.1e}): start every optimizer step from "
+                             f"cleared gradients."))
+
+    # 4. The weights: the same on every rank, and one process's on the big batches.
+    weights = {r: saved[r]["weights"] for r in range(world)}
+    spread = max(_gap(w, weights[0]) for w in weights.values())
+    gap = max(_gap(w, reference["weights"]) for w in weights.values())
+    if spread > tolerance:
+        feedback.fail(f"the ranks ended with different weights (up to {spread:.1e} apart): every optimizer step must "
+                      f"average the gradients over the ranks, so that every rank takes the same step.")
+    else:
+        feedback.expect(gap <= tolerance,
+                        f"after {steps} optimizer steps every rank holds the weights one process reaches with plain "
+                        f"SGD on one batch of {effective} per step (largest gap {gap:.1e})",
+                        f"after {steps} optimizer steps the weights differ from those one process reaches with one "
+                        f"batch of {effective} per step (by up to {gap:.1e} of the largest weight).")
+    return feedback

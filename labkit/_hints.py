@@ -84,6 +84,30 @@ def hint(exercise: str, number: int = 1) -> Hint:
 # Exercises 05 (checkpointing) and 06 (FSDP)
 # ==============================================================================================
 HINTS.update({
+    "03-syncbn": [
+        "AllReduceSum.forward: total = x.clone(), then dist.all_reduce(total) (it works in place, and "
+        "autograd must still see x as it was). AllReduceSum.backward does the same to grad_output: "
+        "every rank's loss reads this rank's x through the shared statistics.",
+        "Per channel means over dimensions 0, 2 and 3. One tensor carries everything: local = "
+        "torch.cat([x.sum(dims), (x * x).sum(dims), count]), with count a 1-element tensor holding "
+        "x.numel() // channels. total = AllReduceSum.apply(local); n = total[-1]; mean = "
+        "total[:channels] / n; var = total[channels:2 * channels] / n - mean * mean.",
+        "Under torch.no_grad(): self.running_mean.lerp_(mean, self.momentum) and "
+        "self.running_var.lerp_(var * n / (n - 1), self.momentum). Then, with shape = (1, channels, "
+        "1, 1): (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps) * "
+        "self.weight.view(shape) + self.bias.view(shape).",
+    ],
+    "04-accumulation": [
+        ".grad adds up across backward() calls until something clears it. So: k forward and "
+        "backward passes, then one optimizer.step(), then optimizer.zero_grad(set_to_none=True). "
+        "Divide each micro-step's loss by k, so that the sum of the k gradients is the big batch's mean.",
+        "model.no_sync() is a context manager: inside it, backward() does not all-reduce. Use it for "
+        "every micro-step but the last, around forward and backward both; the last backward "
+        "all-reduces the sum of all k.",
+        "for i, (x, y) in enumerate(micro_batches): with nullcontext() if i == k - 1 else "
+        "model.no_sync(): (F.cross_entropy(model(x), y) / k).backward(). After the loop: "
+        "optimizer.step(); optimizer.zero_grad(set_to_none=True).",
+    ],
     "05-resume": [
         "A checkpoint must hold everything the loop changes: the weights (of model.module, so that "
         "the names carry no 'module.' prefix), the optimizer's state (SGD's momentum), step, epoch "

@@ -161,8 +161,63 @@ _BLOCKS_06 = ("for block in model.blocks:  # each block its own unit: gathered j
               "freed after\n    fully_shard(block)\n")
 _ROOT_06 = "fully_shard(model)  # the root last: it takes the stem and the head, and drives the step\n"
 
+_SUMS_03 = "total = AllReduceSum.apply(local)"
+_RUNNING_03 = ("            self.running_mean.lerp_(mean, self.momentum)\n"
+               "            self.running_var.lerp_(var * n / (n - 1), self.momentum)  # unbiased: what BatchNorm keeps\n")
+_MICRO_04 = "with nullcontext() if last else model.no_sync():"
+_OUTPUTS_03 = "every rank's outputs equal nn.BatchNorm2d's"
+_GRADIENT_04 = "the gradient of every optimizer step, on every rank, is that of one batch"
 # (check, solution notebook, text in the solution, the mistake, words a ✗ must hold,
 #  words that ✓ findings must still hold: the check blames the mistake, not what is right)
+MISTAKES_03_04 = {
+    "03-local-statistics": (
+        labkit.check_syncbn, "03_syncbn.ipynb", _SUMS_03, "total = local",
+        "each rank normalised its slice with its own mean and variance", []),
+    "03-all-reduce-autograd-cannot-see": (
+        labkit.check_syncbn, "03_syncbn.ipynb", _SUMS_03,
+        "dist.all_reduce(local)  # in place: autograd never sees it\n        total = local",
+        "the gradient does not travel back through the all-reduce", [_OUTPUTS_03, "running_mean and running_var"]),
+    "03-backward-not-summed": (
+        labkit.check_syncbn, "03_syncbn.ipynb", "        dist.all_reduce(grad, op=dist.ReduceOp.SUM)\n", "",
+        "AllReduceSum.backward must all-reduce grad_output too", [_OUTPUTS_03]),
+    "03-means-averaged-not-weighted": (
+        labkit.check_syncbn, "03_syncbn.ipynb",
+        "local = torch.cat([x.sum(dims), (x * x).sum(dims), count])",
+        "local = torch.cat([x.mean(dims), (x * x).mean(dims), torch.ones_like(count)])",
+        "you took the mean as the plain average of the ranks' means", []),
+    "03-biased-running-var": (
+        labkit.check_syncbn, "03_syncbn.ipynb",
+        "self.running_var.lerp_(var * n / (n - 1), self.momentum)", "self.running_var.lerp_(var, self.momentum)",
+        "running_var holds the biased variance", [_OUTPUTS_03, "so are the input gradients"]),
+    "03-no-running-update": (
+        labkit.check_syncbn, "03_syncbn.ipynb", _RUNNING_03, "",
+        "running_mean and running_var never changed", [_OUTPUTS_03]),
+    "04-loss-not-scaled": (
+        labkit.check_accumulation, "04_accumulation.ipynb",
+        "loss = F.cross_entropy(model(x), y) / k", "loss = F.cross_entropy(model(x), y)",
+        "the gradient is 4× too large", ["DDP all-reduced every gradient once per optimizer step"]),
+    "04-no-no-sync": (
+        labkit.check_accumulation, "04_accumulation.ipynb", _MICRO_04, "with nullcontext():",
+        "Correct but wasteful", [_GRADIENT_04]),
+    "04-no-sync-on-the-last-micro-step-too": (
+        labkit.check_accumulation, "04_accumulation.ipynb", _MICRO_04, "with model.no_sync():",
+        "DDP never all-reduced a gradient", ["optimizer.step() ran once per optimizer step"]),
+    "04-step-every-micro-step": (
+        labkit.check_accumulation, "04_accumulation.ipynb",
+        "            loss.backward()  # adds into .grad\n    optimizer.step()\n",
+        "            loss.backward()  # adds into .grad\n        optimizer.step()\n",
+        "optimizer.step() ran 4 times per optimizer step", []),
+    "04-zero-grad-inside-the-loop": (
+        labkit.check_accumulation, "04_accumulation.ipynb",
+        "        last = i == k - 1\n", "        last = i == k - 1\n        optimizer.zero_grad(set_to_none=True)\n",
+        "zero_grad inside the micro-step loop clears what the earlier micro-steps added",
+        ["optimizer.step() ran once per optimizer step"]),
+    "04-gradients-never-cleared": (
+        labkit.check_accumulation, "04_accumulation.ipynb",
+        "    optimizer.zero_grad(set_to_none=True)  # the next optimizer step starts from nothing\n", "",
+        "the first optimizer step is right, but from step 2 on the gradient still holds the previous step's", []),
+}
+
 MISTAKES_05_06 = {
     "05-optimizer-not-restored": (
         labkit.check_resume, "05_checkpointing.ipynb",
@@ -212,10 +267,13 @@ MISTAKES_05_06 = {
 }
 
 
+MISTAKES_03_06 = {**MISTAKES_03_04, **MISTAKES_05_06}
+
+
 @pytest.mark.launch
-@pytest.mark.parametrize("mistake", MISTAKES_05_06)
-def test_each_05_06_mistake_gets_the_message_that_names_it(mistake, workdir):
-    check, notebook, old, new, words, still_right = MISTAKES_05_06[mistake]
+@pytest.mark.parametrize("mistake", MISTAKES_03_06)
+def test_each_03_to_06_mistake_gets_the_message_that_names_it(mistake, workdir):
+    check, notebook, old, new, words, still_right = MISTAKES_03_06[mistake]
     (workdir / "scripts").mkdir()
     (workdir / "scripts" / "mine.py").write_text(wrong(notebook, old, new))
     feedback = check("scripts/mine.py")
@@ -225,7 +283,8 @@ def test_each_05_06_mistake_gets_the_message_that_names_it(mistake, workdir):
         assert any(right in text for text in feedback.messages("ok")), (right, str(feedback))
 
 
-@pytest.mark.parametrize("check", [labkit.check_resume, labkit.check_fsdp])
+@pytest.mark.parametrize("check", [labkit.check_syncbn, labkit.check_accumulation, labkit.check_resume,
+                                   labkit.check_fsdp])
 def test_a_bad_target_is_a_finding_not_a_crash(check, workdir):
     (workdir / "scripts").mkdir()
     missing = check("scripts/nope.py")
