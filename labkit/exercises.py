@@ -133,12 +133,22 @@ def _pairs(root: Path, which: str | None = None) -> list[tuple[Path, Path]]:
         raise FileNotFoundError(f"no solution notebooks in {root / 'solutions'}. "
                                 f"HINT: run this from the course's folder.")
     if which is not None:
-        chosen = [p for p in solutions if p.name.startswith(which) or p.stem == which]
-        if not chosen:
+        chosen = _named(solutions, which)
+        if len(chosen) != 1:
             names = ", ".join(p.stem for p in solutions)
-            raise ValueError(f"no exercise {which!r}; there are: {names}. HINT: e.g. '02' or '02_ddp'.")
+            raise ValueError(f"no exercise {which!r}; there are: {names}. "
+                             f"HINT: its number, name or id, e.g. '02', '02_ddp' or '02-ddp'.")
         solutions = chosen
     return [(s, root / "exercises" / s.name) for s in solutions]
+
+
+def _named(notebooks: list[Path], which: str) -> list[Path]:
+    """The notebooks ``which`` names: a number ('02' or '2'), a name ('02_ddp'), an id ('02-ddp')."""
+    key = which.strip().removesuffix(".ipynb")
+    if key.isdigit():
+        return [p for p in notebooks if p.name[:2] == key.zfill(2)]
+    return [p for p in notebooks if p.stem == key
+            or (p.name[:2] == key[:2] and f"Exercise id: `{key}`" in p.read_text(encoding="utf-8"))]
 
 
 def _render(solution: Path) -> str:
@@ -185,9 +195,10 @@ def stale(root=None) -> list[Path]:
 
 def _committed(root: Path, which: str) -> tuple[Path, str]:
     """(exercise path, its text as last committed): for a hand-out without solutions/."""
-    matches = sorted((root / "exercises").glob(f"{which}*.ipynb"))
+    matches = _named(sorted((root / "exercises").glob("[0-9][0-9]_*.ipynb")), which)
     if len(matches) != 1:
-        raise ValueError(f"no single exercise {which!r} in {root / 'exercises'}. HINT: e.g. '02'.")
+        raise ValueError(f"no exercise {which!r} in {root / 'exercises'}. "
+                         f"HINT: its number, name or id, e.g. '02', '02_ddp' or '02-ddp'.")
     exercise = matches[0]
     try:
         text = subprocess.run(["git", "show", f"HEAD:exercises/{exercise.name}"], cwd=root,
@@ -230,6 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     rest = sub.add_parser("restore", help="restore one exercise notebook (your version is backed up)")
     rest.add_argument("which", help="the exercise's number or name, e.g. 02 or 02_ddp")
     args = parser.parse_args(argv)
+    try:
+        return _command(args)
+    except (ValueError, FileNotFoundError) as err:  # a mistyped name, a missing folder: one line
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.command == "generate":
         changed = generate(args.root)
         print("\n".join(f"wrote {p}" for p in changed) or "exercises are up to date")
@@ -241,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         print("exercises are up to date")
     else:
         backup = restore(args.which, args.root)
-        print(f"restored exercise {args.which}" + (f"; your version is in {backup}" if backup else ""))
+        print(f"restored exercise {args.which}; your version is in {backup}" if backup else
+              f"exercise {args.which} is as it was handed out: nothing to restore")
     return 0
 
 

@@ -79,7 +79,7 @@ def test_exercise_notebooks_have_no_outputs_and_say_where_they_come_from():
 def course(tmp_path):
     """A course folder with one solution notebook."""
     (tmp_path / "solutions").mkdir()
-    nb = _notebook(("markdown", "# Exercise 07"),
+    nb = _notebook(("markdown", "# Exercise 07\n\n*Exercise id: `07-demo`.*"),
                    ("code", "%%writefile s.py\n### BEGIN SOLUTION: add\nx = 1 + 1\n### END SOLUTION\n"))
     (tmp_path / "solutions" / "07_demo.ipynb").write_text(json.dumps(nb))
     return tmp_path
@@ -130,6 +130,25 @@ def test_without_solutions_or_git_restore_says_what_to_do(course):
 def test_restore_names_the_exercises_when_one_is_unknown(course):
     with pytest.raises(ValueError, match=r"no exercise '99'; there are: 07_demo"):
         exercises.restore("99", course)
+    with pytest.raises(ValueError, match=r"no exercise '0'"):  # a prefix of every number: not a choice
+        exercises.restore("0", course)
+
+
+@pytest.mark.parametrize("which", ["07", "7", "07_demo", "07_demo.ipynb", "07-demo"])
+def test_an_exercise_is_named_by_its_number_name_or_id(course, which):
+    exercises.generate(course)
+    mine = course / "exercises" / "07_demo.ipynb"
+    mine.write_text(mine.read_text().replace("TODO: add", "my attempt"))
+    assert "my attempt" in exercises.restore(which, course).read_text()
+
+
+def test_the_command_line_says_a_wrong_name_in_one_line(course, capsys):
+    exercises.generate(course)
+    assert exercises.main(["--root", str(course), "restore", "99"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no exercise '99'") and "Traceback" not in err
+    assert exercises.main(["--root", str(course), "restore", "07"]) == 0
+    assert "as it was handed out: nothing to restore" in capsys.readouterr().out
 
 
 def test_the_command_line_check_fails_while_exercises_are_stale(course, capsys):
