@@ -84,7 +84,7 @@ class LiveView:
             curve = metric_curve(part, x="step", y="loss")
             draw_curve(ax, curve, label=f"rank {rank}", mark_restarts=rank == df["rank"].min())
         ax.set_xlabel("optimiser step")
-        ax.set_ylabel("loss (each rank's own batches)")
+        ax.set_ylabel("loss (each rank's own batches)" if df["rank"].nunique() > 1 else "loss")
         ax.grid(alpha=0.3)
         if df["rank"].nunique() > 1:
             ax.legend(fontsize=8, ncol=min(4, df["rank"].nunique()))
