@@ -63,17 +63,22 @@ def _watch(parent_pid: int, launcher_pid: int | None, launcher_token: str | None
             os._exit(1)
 
 
-def _die_by_sigterm() -> None:
-    """Flush what this rank wrote, then end it by SIGTERM, as if no handler had been set."""
+def _flush_output() -> None:
+    """Push the metrics buffer, stdout and stderr to disk; never raise (the rank is ending)."""
     try:
         metrics.flush()
-    except RuntimeError:  # the handler interrupted a write to the same buffer: keep what is on disk
+    except RuntimeError:  # a signal handler interrupted a write to the same buffer
         pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError, RuntimeError):  # RuntimeError: a reentrant call from a thread
+        except (OSError, ValueError, RuntimeError):  # closed, or a reentrant call from a handler
             pass
+
+
+def _die_by_sigterm() -> None:
+    """Flush what this rank wrote, then end it by SIGTERM, as if no handler had been set."""
+    _flush_output()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     else:  # signal.signal works only in the main thread; libc's signal() works in any
@@ -252,12 +257,7 @@ def _exit(code: int) -> None:
         if thread is not main_thread and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
-    metrics.flush()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    _flush_output()
     os._exit(code)
 
 
