@@ -14,7 +14,10 @@ _X_LABELS = {
 def metric_curve(df, *, x: str, y: str, start_time: float | None = None):
     """One curve from a metrics DataFrame: the mean of ``y`` over ranks at each logged step.
 
-    Returns a DataFrame with columns ``x``, ``y``, ``restart``, in logging order.
+    Returns a DataFrame with columns ``x``, ``y``, ``restart``, in logging order. Its
+    ``attrs["restart_x"]`` maps each restart count to the first ``x`` that attempt logged
+    anything at (a script that logs where it resumed gets its marker there, not at its
+    first loss).
     """
     if x not in _X_LABELS:
         raise ValueError(f"x must be one of {sorted(_X_LABELS)}, got {x!r}")
@@ -33,18 +36,21 @@ def metric_curve(df, *, x: str, y: str, start_time: float | None = None):
         df["_x"] = df["time"] - origin
     else:
         df["_x"] = df["step"]
+    restart_x = df.groupby("restart", sort=False)["_x"].first().to_dict()
     df = df[df[y].notna()]
     curve = df.groupby(["restart", "step"], sort=False).agg(
-        x=("_x", "max"), y=(y, "mean")).reset_index()
-    return curve[["x", "y", "restart"]]
+        x=("_x", "max"), y=(y, "mean")).reset_index()[["x", "y", "restart"]]
+    curve.attrs["restart_x"] = restart_x
+    return curve
 
 
 def draw_curve(ax, curve, *, label: str, color=None, mark_restarts: bool = True):
-    """Draw a curve from ``metric_curve``; a dashed line marks each torchrun restart."""
+    """Draw a curve from ``metric_curve``; a dashed line marks where each torchrun restart began."""
     line, = ax.plot(curve["x"], curve["y"], label=label, color=color, lw=1.6)
     if mark_restarts:
         for restart in sorted(set(curve["restart"]) - {0}):
-            first_x = curve.loc[curve["restart"] == restart, "x"].iloc[0]
+            first_x = curve.attrs.get("restart_x", {}).get(
+                restart, curve.loc[curve["restart"] == restart, "x"].iloc[0])
             ax.axvline(first_x, color=line.get_color(), ls="--", lw=1, alpha=0.7)
             ax.annotate(f"restart {restart}", (first_x, 1), xycoords=("data", "axes fraction"),
                         xytext=(3, -12), textcoords="offset points", fontsize=8,

@@ -31,6 +31,17 @@ def test_plot_loss_marks_restarts(tmp_path):
     assert len(ax.lines) == 2  # the curve and the restart marker
 
 
+def test_restart_marker_sits_where_the_attempt_resumed_not_at_its_first_loss(tmp_path):
+    """A restarted script that logs where it resumed (step 2) before its next loss (step 4)."""
+    lines = [rec(0, 2, 1.0, loss=2.0), rec(0, 4, 2.0, loss=1.5),
+             {**rec(0, 2, 5.0, resumed_from=2), "restart": 1},
+             {**rec(0, 4, 6.0, loss=1.5), "restart": 1}]
+    run = make_run(tmp_path, {0: lines})
+    ax = labkit.plot_loss(run)
+    marker = ax.lines[1]
+    assert marker.get_xdata()[0] == 2 and ax.texts[0].get_text() == "restart 1"
+
+
 def test_plot_errors_are_clear(tmp_path):
     run = make_run(tmp_path, {0: [rec(0, 1, 1.0, loss=2.0)]})
     with pytest.raises(NoMetricsError, match=r"logged no 'test_acc' \(it logged: step, restart, loss\)"):
