@@ -104,6 +104,7 @@ def evaluate() -> float:
 
 step = 0
 window_loss = torch.zeros((), device=device)
+step_loss = torch.zeros((), device=device)  # the loss of the optimiser step in progress
 for epoch in range(args.epochs):
     if sampler is not None and not args.no_set_epoch:
         sampler.set_epoch(epoch)  # without it, every epoch repeats the same order
@@ -122,8 +123,10 @@ for epoch in range(args.epochs):
             loss = F.cross_entropy(model(x), y)  # forward too: DDP prepares its hooks in forward
             (loss if args.no_loss_scale else loss / args.accum_steps).backward()  # grads add up
         window_loss += loss.detach()
+        step_loss += loss.detach() / args.accum_steps  # the mean over the k micro-batches
         if not last:
             continue
+        last_step_loss, step_loss = step_loss, torch.zeros_like(step_loss)
         optimizer.step()  # the gradients of all k micro-batches, all-reduced once
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)  # after the step: the next one starts from zero
@@ -136,7 +139,7 @@ for epoch in range(args.epochs):
             window_loss.zero_()
             counter.reset()
     accuracy = evaluate()
-    mean_loss = loss.detach().clone()
+    mean_loss = last_step_loss.clone()  # the epoch's last optimiser step: all k micro-batches
     if ddp:
         dist.all_reduce(mean_loss)  # a sum (gloo has no average)...
         mean_loss /= world_size     # ...so divide by the number of ranks
