@@ -94,7 +94,7 @@ torch.manual_seed(args.seed + 1 + rank)  # each rank its own augmentation stream
 step, epoch = 0, 0
 latest = checkpoint.latest(args.ckpt_dir)
 if latest is not None:
-    state = torch.load(latest, map_location=device, weights_only=True)  # tensors only, no pickles
+    state = torch.load(latest, map_location=device, weights_only=True)  # only tensors and plain types unpickle
     raw_model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
