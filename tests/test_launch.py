@@ -335,7 +335,11 @@ def test_restarts_resume_and_are_stamped(workdir, write_script):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_no_rank_outlives_its_launcher(workdir, write_script, sig):
     write_script("sleeper.py", SLEEPER)
+    # SIGINT raises KeyboardInterrupt, as in a Jupyter kernel. Said explicitly: a test suite
+    # started in the background of a shell without job control inherits SIGINT ignored.
     launcher = python("""
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         import labkit
         labkit.launch("sleeper.py", nproc=2, timeout=300)
     """, cwd=workdir)
