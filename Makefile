@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.installed
 #   make lab TORCH="torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cu126"
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: lab test test-fast exercises doctor bench clean-runs
+.PHONY: lab test test-fast exercises restore doctor bench clean-runs
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,9 +37,14 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not launch and not notebook"
 
-# Regenerate exercises/ from solutions/ (a changed exercise is backed up to exercises/.backup/).
+# Regenerate exercises/ from solutions/ (a changed exercise is backed up to exercises/backup/).
 exercises: $(STAMP)
 	$(PY) -m labkit.exercises generate
+
+# Put one exercise back as it was handed out: make restore EX=02 (your version goes to exercises/backup/).
+restore: $(STAMP)
+	@test -n "$(EX)" || { echo "usage: make restore EX=02   (the exercise's number, name or id)" >&2; exit 2; }
+	$(PY) -m labkit.exercises restore "$(EX)"
 
 # The set-up check for one seat of a workshop: prints the report, fails on a warning.
 doctor: $(STAMP)

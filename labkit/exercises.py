@@ -23,8 +23,11 @@ From a terminal (the Makefile's ``make exercises`` runs the first)::
     python -m labkit.exercises check             # exit 1 if exercises/ is out of date
     python -m labkit.exercises restore 02        # back up exercises/02_*.ipynb, then regenerate it
 
+``make restore EX=02`` runs the last with the course's own Python.
+
 A learner's work is never lost: an exercise notebook that differs from what
-would be generated is copied to ``exercises/.backup/`` before it is replaced.
+would be generated is copied to ``exercises/backup/`` before it is replaced (a visible folder,
+so that JupyterLab can open it; git ignores it).
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ def _render(solution: Path) -> str:
 
 
 def _back_up(path: Path) -> Path:
-    folder = path.parent / ".backup"
+    folder = path.parent / "backup"
     folder.mkdir(exist_ok=True)
     backup = folder / f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}.ipynb"
     n = 1
@@ -172,7 +175,7 @@ def generate(root=None, *, which: str | None = None) -> list[Path]:
     """Write ``exercises/NN_*.ipynb`` from ``solutions/NN_*.ipynb``; return the files changed.
 
     A notebook that already holds exactly what would be written is left alone; one that
-    differs is first copied to ``exercises/.backup/``.
+    differs is first copied to ``exercises/backup/``.
     """
     changed = []
     for solution, exercise in _pairs(_root(root), which):
@@ -260,7 +263,8 @@ def _command(args: argparse.Namespace) -> int:
         print("exercises are up to date")
     else:
         backup = restore(args.which, args.root)
-        print(f"restored exercise {args.which}; your version is in {backup}" if backup else
+        print(f"restored exercise {args.which}; your version is in {backup}. Open the notebook "
+              f"again (or File → Reload Notebook from Disk) to see it." if backup else
               f"exercise {args.which} is as it was handed out: nothing to restore")
     return 0
 

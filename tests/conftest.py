@@ -21,12 +21,15 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if _has_gpu():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible on this machine")
+    skips = {}
+    if not _has_gpu():
+        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA GPU; none is visible on this machine")
+    if not (ROOT / "solutions").is_dir():  # a workshop's hand-out, without the answers
+        skips["solutions"] = pytest.mark.skip(reason="needs solutions/, which this copy of the course leaves out")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture
@@ -62,8 +65,10 @@ def python(code: str, **kwargs) -> subprocess.Popen:
 def copy_folder(name: str, dest: Path) -> Path:
     """A copy of ROOT/name (without runs, data or checkpoints) for nbmake to overwrite."""
     target = dest / name
+    if not (ROOT / name).is_dir():  # solutions/ in a hand-out: the tests that need it are skipped
+        return target
     shutil.copytree(ROOT / name, target,
-                    ignore=shutil.ignore_patterns("runs", "data", ".ipynb_checkpoints", ".backup"))
+                    ignore=shutil.ignore_patterns("runs", "data", ".ipynb_checkpoints", "backup"))
     return target
 
 
