@@ -1,6 +1,6 @@
 """What a check says to a learner: a list of findings, each right, wrong or not done yet.
 
-``labkit.check_*`` functions (``_checks.py``) build a Feedback. In Jupyter it shows as a
+``labkit.check_*`` functions (the ``_checks`` package) build a Feedback. In Jupyter it shows as a
 short list with a verdict and a pointer to the hints; it also carries a small JSON part
 (``application/vnd.labkit.feedback+json``) that the course's tests read from executed
 notebooks, so a solution's checks can be asserted without an ``assert`` in the notebook.

@@ -39,58 +39,14 @@ HINTS: dict[str, list[str]] = {
         "(device_ids=None on the CPU). In evaluate(), dist.all_reduce(counts) before dividing. "
         "Print only where rank == 0, and end with dist.destroy_process_group().",
     ],
-}
-
-
-@dataclass(frozen=True)
-class Hint:
-    """One hint: shows as a short note in Jupyter, as text elsewhere."""
-
-    exercise: str
-    number: int
-    total: int
-    text: str
-
-    def __str__(self) -> str:
-        more = (f" (labkit.hint({self.exercise!r}, {self.number + 1}) for the next)"
-                if self.number < self.total else " (the last one; the full answer is in solutions/)")
-        return f"Hint {self.number} of {self.total} for {self.exercise}{more}:\n{self.text}"
-
-    __repr__ = __str__
-
-    def _repr_html_(self) -> str:
-        head, body = str(self).split("\n", 1)
-        return (f"<div style='border-left:3px solid #9a6700;padding-left:8px'>"
-                f"<b>{html.escape(head)}</b><br>{html.escape(body)}</div>")
-
-
-def hint(exercise: str, number: int = 1) -> Hint:
-    """Hint ``number`` (1, 2, ...) for ``exercise``, e.g. ``labkit.hint("02-ddp", 1)``.
-
-    Raises:
-        ValueError: an unknown exercise (the message lists them), or a number out of range.
-    """
-    if exercise not in HINTS:
-        raise ValueError(f"no exercise {exercise!r}; the exercises are: {', '.join(sorted(HINTS))}. "
-                         f"HINT: the id is in the exercise notebook's title, e.g. '02-ddp'.")
-    texts = HINTS[exercise]
-    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= len(texts):
-        raise ValueError(f"{exercise} has hints 1 to {len(texts)}, not {number!r}. "
-                         f"HINT: after the last hint, read solutions/ for the full answer.")
-    return Hint(exercise, number, len(texts), texts[number - 1])
-
-
-# ==============================================================================================
-# Exercises 05 (checkpointing) and 06 (FSDP)
-# ==============================================================================================
-HINTS.update({
     "03-syncbn": [
         "AllReduceSum.forward: total = x.clone(), then dist.all_reduce(total) (it works in place, and "
         "autograd must still see x as it was). AllReduceSum.backward does the same to grad_output: "
         "every rank's loss reads this rank's x through the shared statistics.",
         "Per channel means over dimensions 0, 2 and 3. One tensor carries everything: local = "
-        "torch.cat([x.sum(dims), (x * x).sum(dims), count]), with count a 1-element tensor holding "
-        "x.numel() // channels. total = AllReduceSum.apply(local); n = total[-1]; mean = "
+        "torch.cat([x.sum(dims), (x * x).sum(dims), count]), with count = torch.full((1,), "
+        "x.numel() // channels, dtype=x.dtype, device=x.device) (on x's device, so that torch.cat "
+        "accepts it on a GPU too). total = AllReduceSum.apply(local); n = total[-1]; mean = "
         "total[:channels] / n; var = total[channels:2 * channels] / n - mean * mean.",
         "Under torch.no_grad(): self.running_mean.lerp_(mean, self.momentum) and "
         "self.running_var.lerp_(var * n / (n - 1), self.momentum). Then, with shape = (1, channels, "
@@ -134,4 +90,43 @@ HINTS.update({
         "measure: memory.model_bytes(model, optimizer) counts each DTensor's local shard; call it "
         "where the TODO is, after optimizer.step().",
     ],
-})
+}
+
+
+@dataclass(frozen=True)
+class Hint:
+    """One hint: shows as a short note in Jupyter, as text elsewhere."""
+
+    exercise: str
+    number: int
+    total: int
+    text: str
+
+    def __str__(self) -> str:
+        more = (f" (labkit.hint({self.exercise!r}, {self.number + 1}) for the next)"
+                if self.number < self.total else " (the last one; the full answer is in solutions/, where your copy has it)")
+        return f"Hint {self.number} of {self.total} for {self.exercise}{more}:\n{self.text}"
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        head, body = str(self).split("\n", 1)
+        return (f"<div style='border-left:3px solid #9a6700;padding-left:8px'>"
+                f"<b>{html.escape(head)}</b><br>{html.escape(body)}</div>")
+
+
+def hint(exercise: str, number: int = 1) -> Hint:
+    """Hint ``number`` (1, 2, ...) for ``exercise``, e.g. ``labkit.hint("02-ddp", 1)``.
+
+    Raises:
+        ValueError: an unknown exercise (the message lists them), or a number out of range.
+    """
+    if exercise not in HINTS:
+        raise ValueError(f"no exercise {exercise!r}; the exercises are: {', '.join(sorted(HINTS))}. "
+                         f"HINT: the id is in the exercise notebook's title, e.g. '02-ddp'.")
+    texts = HINTS[exercise]
+    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= len(texts):
+        raise ValueError(f"{exercise} has hints 1 to {len(texts)}, not {number!r}. "
+                         f"HINT: after the last hint, the full answer is in solutions/, where your copy has it.")
+    return Hint(exercise, number, len(texts), texts[number - 1])
+

@@ -14,6 +14,7 @@ import pytest
 
 import labkit
 from labkit._feedback import MIME, Feedback, attempt
+from labkit._checks import fsdp as fsdp_check
 from conftest import ROOT
 
 WRITEFILE = re.compile(r"^%%writefile\s+(\S+)\s*\n")
@@ -77,6 +78,7 @@ MISTAKES = {
 
 
 @pytest.mark.launch
+@pytest.mark.solutions
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_each_mistake_gets_the_message_that_names_it(mistake, workdir):
     check, notebook, old, new, words = MISTAKES[mistake]
@@ -146,16 +148,13 @@ def test_a_bad_hint_request_is_a_clear_error(exercise, number, match):
 def test_every_exercise_has_hints_and_every_hint_is_used():
     from labkit._hints import HINTS
     ids = set()
-    for path in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
+    for path in sorted((ROOT / "exercises").glob("[0-9][0-9]_*.ipynb")):  # a hand-out has these too
         text = path.read_text()
         ids |= set(re.findall(r"labkit\.hint\(\\\"(\d\d-[a-z0-9-]+)\\\"", text))
     assert ids == set(HINTS), (ids, set(HINTS))
 
 
-# ==============================================================================================
-# Exercises 05 (checkpointing) and 06 (FSDP)
-# ==============================================================================================
-from labkit import _checks  # noqa: E402
+# -- exercises 03 to 06 ---------------------------------------------------------------------------
 
 _BLOCKS_06 = ("for block in model.blocks:  # each block its own unit: gathered just before it runs, "
               "freed after\n    fully_shard(block)\n")
@@ -271,6 +270,7 @@ MISTAKES_03_06 = {**MISTAKES_03_04, **MISTAKES_05_06}
 
 
 @pytest.mark.launch
+@pytest.mark.solutions
 @pytest.mark.parametrize("mistake", MISTAKES_03_06)
 def test_each_03_to_06_mistake_gets_the_message_that_names_it(mistake, workdir):
     check, notebook, old, new, words, still_right = MISTAKES_03_06[mistake]
@@ -310,7 +310,7 @@ def test_the_checks_shard_rows_are_torch_chunks(rows, world_size):
 
     chunks = [len(c) for c in torch.chunk(torch.empty(rows), world_size)]
     chunks += [0] * (world_size - len(chunks))  # torch.chunk may make fewer chunks than ranks
-    assert [_checks._shard_rows(rows, world_size, r) for r in range(world_size)] == chunks
+    assert [fsdp_check._shard_rows(rows, world_size, r) for r in range(world_size)] == chunks
 
 
 @pytest.mark.parametrize("predicted, words", [
@@ -321,20 +321,21 @@ def test_the_checks_shard_rows_are_torch_chunks(rows, world_size):
     ((275_604, 275_604, 9), "two moments the size of its shard, and a 4-byte step counter"),
 ])
 def test_a_wrong_prediction_is_named_by_its_first_wrong_number(predicted, words):
-    truth = _checks._fsdp_bytes(64, 4, 2, 0)
+    truth = fsdp_check._fsdp_bytes(64, 4, 2, 0)
     assert (truth["params"], truth["optimizer"], truth["tensors"]) == (275_604, 551_328, 30)
-    assert words in _checks._misprediction(0, predicted, truth, 551_208, 2, 30)
+    assert words in fsdp_check._misprediction(0, predicted, truth, 551_208, 2, 30)
 
 
 def test_an_even_share_is_wrong_where_rows_do_not_divide():
-    truth = _checks._fsdp_bytes(64, 4, 3, 2)  # 64, 256 and 10 rows: the last rank gets fewer
-    whole = _checks._fsdp_bytes(64, 4, 1, 0)["params"]
+    truth = fsdp_check._fsdp_bytes(64, 4, 3, 2)  # 64, 256 and 10 rows: the last rank gets fewer
+    whole = fsdp_check._fsdp_bytes(64, 4, 1, 0)["params"]
     assert whole % 3 == 0 and truth["params"] != whole // 3
-    message = _checks._misprediction(2, (whole // 3, 0, 0), truth, whole, 3, truth["tensors"])
+    message = fsdp_check._misprediction(2, (whole // 3, 0, 0), truth, whole, 3, truth["tensors"])
     assert "ceil(rows / 3) to a rank, so the last rank(s) get fewer" in message
 
 
 @pytest.mark.launch
+@pytest.mark.solutions
 def test_check_fsdps_byte_model_is_what_fsdp_holds_where_rows_do_not_divide(workdir):
     """3 ranks: 64, 256 and 10 rows split unevenly. The check's arithmetic must match FSDP's."""
     (workdir / "scripts").mkdir()
@@ -342,7 +343,7 @@ def test_check_fsdps_byte_model_is_what_fsdp_holds_where_rows_do_not_divide(work
     run = labkit.launch("scripts/ex06.py", nproc=3, device="cpu", timeout=180, quiet=True)
     held = run.metrics().dropna(subset=["measured_params"]).set_index("rank")
     for rank in range(3):
-        truth = _checks._fsdp_bytes(64, 4, 3, rank)
+        truth = fsdp_check._fsdp_bytes(64, 4, 3, rank)
         assert (held.loc[rank, "measured_params"], held.loc[rank, "measured_optim"]) == (
             truth["params"], truth["optimizer"]), rank
     assert held["measured_params"].nunique() == 2, "the last rank holds fewer rows"
@@ -356,7 +357,7 @@ def _fsdp_run(folder, *, units="1111", root=True, skip_rank_1_measurement=False)
 
     (folder / "metrics").mkdir(parents=True)
     for rank in range(2):
-        held = _checks._fsdp_bytes(64, 4, 2, rank, units=units, root=root)
+        held = fsdp_check._fsdp_bytes(64, 4, 2, rank, units=units, root=root)
         lines = [{"step": 0, "dim": 64, "depth": 4, "predicted_params": 275_604,
                   "predicted_grads": 275_604, "predicted_optim": 551_328},
                  {"step": 0, "root_unit": root, "block_units": units}]

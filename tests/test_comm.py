@@ -8,7 +8,6 @@ the all-reduces of one step. Float64, so "the same" means within 1e-12.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

@@ -1,0 +1,216 @@
+"""Exercise 06: FSDP2 units, and each rank's bytes, predicted and measured."""
+
+from __future__ import annotations
+
+from labkit._feedback import Feedback, attempt
+from labkit._checks._common import _metrics, _on, _ranks
+
+
+def _shard_rows(rows: int, world_size: int, rank: int) -> int:
+    """Rows of a ``rows``-row tensor that FSDP2 gives ``rank``: torch.chunk's split of dim 0."""
+    per_rank = -(-rows // world_size)
+    return max(0, min(per_rank, rows - rank * per_rank))
+
+
+def _fsdp_bytes(dim: int, depth: int, world_size: int, rank: int, *, units: str | None = None,
+                root: bool = True) -> dict:
+    """What ``rank`` holds of exercise 06's MLPStack after one AdamW step, exactly.
+
+    A parameter is sharded when an FSDP unit holds it: the root (``root``), or its block
+    (``units[i] == "1"``); otherwise the rank holds it whole. AdamW keeps two moments shaped
+    like the parameter and a 4-byte float32 step counter per parameter tensor.
+    """
+    import torch
+
+    from labkit.models import MLPStack
+
+    units = "1" * depth if units is None else units
+    with torch.device("meta"):
+        plain = MLPStack(dim=dim, depth=depth, in_features=dim)
+    params = tensors = 0
+    for name, p in plain.named_parameters():
+        parts = name.split(".")
+        sharded = root or (parts[0] == "blocks" and units[int(parts[1])] == "1")
+        rows = p.shape[0]
+        mine = _shard_rows(rows, world_size, rank) if sharded else rows
+        params += mine * (p.numel() // rows) * p.element_size()
+        tensors += 1
+    return {"params": params, "grads": params, "optimizer": 2 * params + 4 * tensors, "tensors": tensors}
+
+
+def _mlp_weights(dim: int, depth: int) -> tuple[int, int, int]:
+    """Bytes of exercise 06's whole MLPStack, of its root's own weights (stem, head), of one block."""
+    import torch
+
+    from labkit.memory import tensor_bytes
+    from labkit.models import MLPStack
+
+    with torch.device("meta"):
+        plain = MLPStack(dim=dim, depth=depth, in_features=dim)
+    whole = tensor_bytes(plain.parameters())
+    block = max(tensor_bytes(b.parameters()) for b in plain.blocks)
+    return whole, whole - sum(tensor_bytes(b.parameters()) for b in plain.blocks), block
+
+
+def _name_the_order(feedback: Feedback, script) -> None:
+    """A rank failed inside fully_shard: say that the order matters (the root comes last)."""
+    import os
+    import re
+
+    failure = feedback.failure
+    if failure is None or failure.exc_type in ("", "NotImplementedError"):
+        return
+    frame = r'File "(?P<file>[^"]+)", line (?P<line>\d+)[^\n]*\n[ \t]*(?P<code>[^\n]*)'
+    frames = [m for m in re.finditer(frame, failure.traceback or "")
+              if os.path.abspath(m["file"]) == os.path.abspath(os.fspath(script))]
+    if frames and "fully_shard" in frames[-1]["code"]:
+        feedback.fail(f"fully_shard failed on line {frames[-1]['line']}. The order matters: fully_shard "
+                      f"each block first, then the model. Once the root has taken every parameter, a "
+                      f"block can no longer become a unit of its own.")
+
+
+def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedback:
+    """Exercise 06-fsdp: every block and the root are FSDP units, at most the root and one block
+    are whole at once, and each rank's bytes after the first step are predicted exactly and
+    measured exactly (2 ranks; every GPU, if there are two or more).
+
+    The truth it compares with is worked out here from the model's shapes, the world size and
+    the units the script logged (FSDP2 splits dim 0 as torch.chunk does; AdamW adds two moments
+    and a 4-byte step counter per tensor), and is tested against what FSDP really holds.
+
+    Args:
+        target: the exercise's script, or a finished Run of it.
+        timeout: seconds the launch may take.
+
+    Returns:
+        a Feedback; a mistake in the script is a finding, never an exception.
+
+    Example (exercises/06_fsdp.ipynb)::
+
+        labkit.check_fsdp("scripts/ex06_fsdp.py")
+    """
+    feedback, run = attempt("06-fsdp", target, timeout=timeout, name="check-06-fsdp", **_ranks(2))
+    if run is None:
+        if feedback.failure is not None:  # the target was a script, and a rank raised
+            _name_the_order(feedback, target)
+        return feedback
+    names = ("params", "grads", "optim")
+    columns = ["dim", "depth", "block_units", "root_unit", "gathered_bytes",
+               *(f"predicted_{n}" for n in names), *(f"measured_{n}" for n in names)]
+    df = _metrics(feedback, run, columns)
+    if df is None:
+        return feedback
+
+    def first(column):
+        return df.dropna(subset=[column]).groupby("rank")[column].first().to_dict()
+
+    world = run.nproc
+    silent = sorted({r for c in columns for r in range(world) if r not in first(c)})
+    if silent:
+        feedback.fail(f"{_on(silent, world)} did not log all the check reads (did the run stop early?): "
+                      f"keep the skeleton's metrics.log(...) lines.")
+        return feedback
+    dim, depth = int(first("dim")[0]), int(first("depth")[0])
+    units, root = str(first("block_units")[0]), bool(first("root_unit")[0])
+    whole, root_bytes, block_bytes = _mlp_weights(dim, depth)
+
+    # The units, and what is whole at once.
+    missing = [i for i, u in enumerate(units) if u != "1"]
+    feedback.expect(not missing, f"each of the {depth} blocks is an FSDP unit of its own",
+                    "no block is an FSDP unit of its own: call fully_shard(block) for each block in "
+                    "model.blocks, before the root." if len(missing) == depth else
+                    f"block(s) {missing} are not FSDP units of their own: call fully_shard(block) for each "
+                    f"block in model.blocks, before the root.")
+    feedback.expect(root, "the model itself is an FSDP unit too: the root, which shards the stem and the head",
+                    "the model itself is not an FSDP unit, so the stem and the head stay whole on every rank "
+                    "and nothing averages their gradients: call fully_shard(model) after the blocks.")
+    gathered, limit = int(max(first("gathered_bytes").values())), root_bytes + block_bytes
+    if gathered <= limit:
+        feedback.ok(f"at most the root and one block were whole at once: {gathered:,} of the model's "
+                    f"{whole:,} bytes of weights")
+    elif len(missing) == depth and not root:
+        feedback.fail(f"nothing is sharded: every rank holds all {gathered:,} bytes of weights, all the time.")
+    elif len(missing) == depth:
+        feedback.fail(f"the whole model ({gathered:,} bytes of weights) was whole at once: with only the root "
+                      f"wrapped, FSDP gathers every weight when the forward pass starts. With each block a "
+                      f"unit of its own, only the root and one block ({limit:,} bytes) are whole at a time.")
+    elif not root:
+        feedback.fail(f"{gathered:,} bytes of weights were whole at once, more than the root and one block "
+                      f"({limit:,}): without fully_shard(model), each block is an FSDP root of its own, and "
+                      f"a root keeps its weights gathered after its forward. Shard the root last.")
+    else:
+        feedback.fail(f"{gathered:,} bytes of weights were whole at once, more than the root and one block "
+                      f"({limit:,}): shard every block, and leave reshard_after_forward at its default "
+                      f"(True), so that each block frees its gathered weights after its forward.")
+
+    # The prediction, against what FSDP done right holds.
+    predicted = {r: tuple(int(first(f"predicted_{n}")[r]) for n in names) for r in range(world)}
+    truth = {r: _fsdp_bytes(dim, depth, world, r) for r in range(world)}
+    tensors = truth[0]["tensors"]
+    wrong = [r for r in range(world)
+             if predicted[r] != (truth[r]["params"], truth[r]["grads"], truth[r]["optimizer"])]
+    if not wrong:
+        t = truth[0]
+        share = (f"exactly 1/{world}" if t["params"] * world == whole
+                 else f"about 1/{world} (some tensors' rows do not divide by {world})")
+        feedback.ok(f"your prediction is exact on every rank: rank 0 holds {t['params']:,} bytes of parameters "
+                    f"({share} of the model's {whole:,}), {t['grads']:,} of gradients and {t['optimizer']:,} "
+                    f"of AdamW state")
+    else:
+        feedback.fail(_misprediction(wrong[0], predicted[wrong[0]], truth[wrong[0]], whole, world, tensors))
+
+    # The measurement, against what this rank really holds (with the units it has).
+    measured = {r: tuple(int(first(f"measured_{n}")[r]) for n in names) for r in range(world)}
+    held = {r: _fsdp_bytes(dim, depth, world, r, units=units, root=root) for r in range(world)}
+    wrong = [r for r in range(world)
+             if measured[r] != (held[r]["params"], held[r]["grads"], held[r]["optimizer"])]
+    if not wrong:
+        h = held[0]
+        feedback.ok(f"your measurement is exact: rank 0 holds {h['params']:,} bytes of parameters, "
+                    f"{h['grads']:,} of gradients and {h['optimizer']:,} of AdamW state")
+    else:
+        r = wrong[0]
+        (params, grads, optim), h = measured[r], held[r]
+        if params == whole and h["params"] != whole:
+            feedback.fail(f"you measured {params:,} bytes of parameters on rank {r}, the whole model's: count "
+                          f"each DTensor's local shard (p.to_local()), as memory.model_bytes(model, optimizer) "
+                          f"does. Rank {r} holds {h['params']:,}.")
+        elif optim == 0:
+            feedback.fail("you measured no optimizer state: pass the optimizer too, "
+                          "memory.model_bytes(model, optimizer).")
+        elif grads == 0:
+            feedback.fail("you measured no gradients: measure where the TODO is, after optimizer.step() and "
+                          "before the next zero_grad(set_to_none=True) frees them.")
+        else:
+            feedback.fail(f"rank {r} holds {h['params']:,} / {h['grads']:,} / {h['optimizer']:,} bytes of "
+                          f"parameters / gradients / optimizer state, but you measured {params:,} / "
+                          f"{grads:,} / {optim:,}: count the local shards, memory.model_bytes(model, optimizer).")
+    return feedback
+
+
+def _misprediction(rank: int, predicted: tuple, truth: dict, whole: int, world: int, tensors: int) -> str:
+    """What is wrong with the first wrong number of one rank's prediction, and why."""
+    params, grads, optim = predicted
+    if params != truth["params"]:
+        if params == whole:
+            return (f"you predicted the whole model's {whole:,} bytes of parameters on rank {rank}: under FSDP "
+                    f"each rank holds only its shard, about 1/{world} of every tensor's rows.")
+        if params * world == whole:
+            return (f"rank {rank} holds {truth['params']:,} bytes of parameters, not 1/{world} of the model "
+                    f"({params:,}): FSDP cuts each tensor's rows like torch.chunk, ceil(rows / {world}) to a "
+                    f"rank, so the last rank(s) get fewer, or none.")
+        return (f"you predicted {params:,} bytes of parameters on rank {rank}; it holds {truth['params']:,}: "
+                f"its dim-0 shard of every parameter, ceil(rows / {world}) rows of each (fewer on the last "
+                f"ranks), at 4 bytes a float32.")
+    if grads != truth["grads"]:
+        return (f"you predicted {grads:,} bytes of gradients on rank {rank}; it holds {truth['grads']:,}: after "
+                f"the reduce-scatter each rank keeps only its own shard's gradient, as many bytes as its "
+                f"parameters.")
+    if optim == 2 * truth["params"]:
+        return (f"your AdamW prediction is {4 * tensors} bytes short: besides its two moments, AdamW keeps a "
+                f"4-byte step counter for each of the {tensors} parameter tensors, on every rank.")
+    if optim in (truth["params"], truth["params"] + 4 * tensors):
+        return (f"AdamW keeps two moments per weight (exp_avg and exp_avg_sq), each the size of the shard: "
+                f"rank {rank} holds {truth['optimizer']:,} bytes of optimizer state, not {optim:,}.")
+    return (f"you predicted {optim:,} bytes of optimizer state on rank {rank}; it holds {truth['optimizer']:,}: "
+            f"two moments the size of its shard, and a 4-byte step counter per parameter tensor.")
