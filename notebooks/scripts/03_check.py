@@ -49,8 +49,10 @@ def gaps(layer: nn.Module) -> dict:
     shares = torch.cat([layer.weight.grad, layer.bias.grad])
     dist.all_reduce(shares)  # each rank holds its share of dW and db: their sum is the whole
     layer.eval(), reference.eval()
+    issued = sum(syncbn.allreduce_counts().values())
     with torch.no_grad():
         eval_gap = (layer(x[mine]) - reference(x[mine])).abs().max()
+    eval_allreduces = sum(syncbn.allreduce_counts().values()) - issued  # eval uses running stats
     layer.train(), reference.train()
     found = torch.stack([
         (y - y_all[mine]).abs().max(),
@@ -58,9 +60,10 @@ def gaps(layer: nn.Module) -> dict:
         (shares - torch.cat([reference.weight.grad, reference.bias.grad])).abs().max(),
         (layer.running_mean - reference.running_mean).abs().max(),
         (layer.running_var - reference.running_var).abs().max(),
-        eval_gap])
+        eval_gap,
+        torch.tensor(float(eval_allreduces), device=device)])
     dist.all_reduce(found, op=dist.ReduceOp.MAX)  # the worst rank
-    names = ["output", "input_grad", "weight_bias_grad", "running_mean", "running_var", "eval_output"]
+    names = ["output", "input_grad", "weight_bias_grad", "running_mean", "running_var", "eval_output", "eval_allreduces"]
     return dict(zip(names, found.tolist()))
 
 
