@@ -31,25 +31,36 @@ class Feedback:
         run: the Run that was checked, when there was one.
         failure: the root-cause RankFailure when a rank stopped with an exception (a check
             may read its traceback to name a likelier cause).
+        hints: for each item, the number of the hint about it (``labkit.hint``), or None.
+        stopped: the launch did not succeed, so nothing of the run was checked.
     """
 
     exercise: str
     items: list = field(default_factory=list)
     run: object = None
     failure: object = field(default=None, repr=False)
+    hints: list = field(default_factory=list, repr=False)
+    stopped: bool = False
 
-    def ok(self, text: str) -> None:
-        self.items.append(("ok", text))
+    def _add(self, status: str, text: str, hint: int | None) -> None:
+        self.items.append((status, text))
+        self.hints.append(hint)
 
-    def fail(self, text: str) -> None:
-        self.items.append(("fail", text))
+    def ok(self, text: str, *, hint: int | None = None) -> None:
+        self._add("ok", text, hint)
 
-    def todo(self, text: str) -> None:
-        self.items.append(("todo", text))
+    def fail(self, text: str, *, hint: int | None = None) -> None:
+        self._add("fail", text, hint)
 
-    def expect(self, condition: bool, right: str, wrong: str) -> bool:
-        """Record ``right`` if ``condition`` holds, else ``wrong``; return the condition."""
-        (self.ok if condition else self.fail)(right if condition else wrong)
+    def todo(self, text: str, *, hint: int | None = None) -> None:
+        self._add("todo", text, hint)
+
+    def expect(self, condition: bool, right: str, wrong: str, *, hint: int | None = None) -> bool:
+        """Record ``right`` if ``condition`` holds, else ``wrong``; return the condition.
+
+        ``hint``: the number of the hint that helps with what ``wrong`` names.
+        """
+        (self.ok if condition else self.fail)(right if condition else wrong, hint=hint)
         return bool(condition)
 
     @property
@@ -72,12 +83,21 @@ class Feedback:
 
     def _verdict(self) -> str:
         done = sum(1 for s, _ in self.items if s == "ok")
+        if self.status == "failed" and self.stopped:
+            return "the run stopped before the checks could look at it; read why below."
         return {"passed": f"all {done} checks pass. Well done.",
                 "failed": f"{done} of {len(self.items)} checks pass; read what is wrong below.",
                 "unfinished": "not finished yet."}[self.status]
 
     def _hint_line(self) -> str:
-        return "" if self.passed else f"Stuck? labkit.hint({self.exercise!r}, 1) gives a first hint."
+        """Points to the hint about the first thing that is wrong or unfinished, else hint 1."""
+        if self.passed:
+            return ""
+        numbers = [n for (status, _), n in zip(self.items, self.hints) if status != "ok" and n]
+        if numbers:
+            return (f"Stuck on the first ✗ or …? labkit.hint({self.exercise!r}, {numbers[0]}) "
+                    f"is about it.")
+        return f"Stuck? labkit.hint({self.exercise!r}, 1) gives a first hint."
 
     def __str__(self) -> str:
         lines = [f"Exercise {self.exercise}: {self._verdict()}"]
@@ -109,6 +129,12 @@ def _where(failure, script: str) -> str:
     return f" ({script}, line {found[-1]['line']})" if found else ""
 
 
+def _stopped(feedback: Feedback):
+    """(feedback, None) for a launch that did not succeed: nothing of the run can be checked."""
+    feedback.stopped = True
+    return feedback, None
+
+
 def attempt(exercise: str, target, **launch_options):
     """Launch the learner's script (or take a finished Run) for a check.
 
@@ -129,26 +155,32 @@ def attempt(exercise: str, target, **launch_options):
     except TypeError:
         feedback.fail(f"a check takes the path of your script (the file that the %%writefile cell "
                       f"wrote), not {type(target).__name__} {target!r}.")
-        return feedback, None
+        return _stopped(feedback)
     if os.path.isdir(script):
         feedback.fail(f"{script} is a folder: pass the path of the script that the %%writefile "
                       f"cell wrote.")
-        return feedback, None
+        return _stopped(feedback)
     try:
         run = launch(script, **launch_options)
     except FileNotFoundError:
-        feedback.todo(f"{script} does not exist yet: run the %%writefile cell above first.")
-        return feedback, None
+        folder = os.path.dirname(script)
+        if folder and not os.path.isdir(folder):
+            feedback.fail(f"there is no folder {folder!r} next to this notebook, so the %%writefile "
+                          f"cell could not write {script}. Run the notebook from the course's "
+                          f"exercises/ folder, or create {folder!r} there first.")
+        else:
+            feedback.todo(f"{script} does not exist yet: run the %%writefile cell above first.")
+        return _stopped(feedback)
     except ScriptError as err:
         feedback.fail(f"the script does not compile: {str(err).splitlines()[0]}")
-        return feedback, None
+        return _stopped(feedback)
     except LaunchTimeout as err:
         where = "; ".join(f"rank {r} at {s}" for r, s in sorted(err.stacks.items()))
         feedback.fail(f"the run did not finish within {launch_options.get('timeout')} s"
                       + (f": {where}" if where else "") + ". A rank waits in a collective "
                       "the others never reach?")
         feedback.run = err.run
-        return feedback, None
+        return _stopped(feedback)
     except LaunchError as err:
         feedback.run = err.run
         root = feedback.failure = err.root_cause
@@ -159,6 +191,6 @@ def attempt(exercise: str, target, **launch_options):
                           f"{_where(root, script)}. Its traceback is in the output above.")
         else:
             feedback.fail(f"the run failed: {err.summary}")
-        return feedback, None
+        return _stopped(feedback)
     feedback.run = run
     return feedback, run

@@ -8,6 +8,7 @@ In an exercise notebook::
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass
 
 HINTS: dict[str, list[str]] = {
@@ -115,15 +116,30 @@ class Hint:
                 f"<b>{html.escape(head)}</b><br>{html.escape(body)}</div>")
 
 
+def _exercise_id(name) -> str:
+    """'02-ddp' from '02-ddp', '02', 2, '02_ddp' or '02_ddp.ipynb' (as ``make restore`` takes them)."""
+    key = str(name).strip().removesuffix(".ipynb")
+    if key in HINTS:
+        return key
+    number = re.match(r"\d+", key)
+    ids = [i for i in HINTS if number and i[:2] == number[0].zfill(2)]
+    if len(ids) == 1 and (key == number[0] or key.replace("_", "-") == ids[0]
+                          or key.split("_", 1)[0] == number[0]):
+        return ids[0]
+    raise ValueError(f"no exercise {name!r}; the exercises are: {', '.join(sorted(HINTS))}. "
+                     f"HINT: the id is in the exercise notebook's title, e.g. '02-ddp' (or just '02').")
+
+
 def hint(exercise: str, number: int = 1) -> Hint:
     """Hint ``number`` (1, 2, ...) for ``exercise``, e.g. ``labkit.hint("02-ddp", 1)``.
+
+    ``exercise`` is the exercise's id ('02-ddp'), its number ('02') or its notebook's name
+    ('02_ddp').
 
     Raises:
         ValueError: an unknown exercise (the message lists them), or a number out of range.
     """
-    if exercise not in HINTS:
-        raise ValueError(f"no exercise {exercise!r}; the exercises are: {', '.join(sorted(HINTS))}. "
-                         f"HINT: the id is in the exercise notebook's title, e.g. '02-ddp'.")
+    exercise = _exercise_id(exercise)
     texts = HINTS[exercise]
     if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= len(texts):
         raise ValueError(f"{exercise} has hints 1 to {len(texts)}, not {number!r}. "

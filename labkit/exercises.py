@@ -131,18 +131,38 @@ def _root(root) -> Path:
 
 
 def _pairs(root: Path, which: str | None = None) -> list[tuple[Path, Path]]:
-    solutions = sorted((root / "solutions").glob("[0-9][0-9]_*.ipynb"))
+    solutions = _notebooks(root / "solutions")
     if not solutions:
+        if (root / "exercises").is_dir():
+            raise FileNotFoundError(
+                "this copy of the course has no solutions/ folder (a hand-out), so the exercises "
+                "cannot be generated here. HINT: to put one exercise back as it was handed out, "
+                "`make restore EX=02`.")
         raise FileNotFoundError(f"no solution notebooks in {root / 'solutions'}. "
                                 f"HINT: run this from the course's folder.")
     if which is not None:
-        chosen = _named(solutions, which)
-        if len(chosen) != 1:
-            names = ", ".join(p.stem for p in solutions)
-            raise ValueError(f"no exercise {which!r}; there are: {names}. "
-                             f"HINT: its number, name or id, e.g. '02', '02_ddp' or '02-ddp'.")
-        solutions = chosen
+        solutions = [_one(solutions, which, root / "solutions")]
     return [(s, root / "exercises" / s.name) for s in solutions]
+
+
+def _notebooks(folder: Path) -> list[Path]:
+    """The course's notebooks in a folder: NN_name.ipynb, not a learner's copy such as
+    '02_ddp-Copy1.ipynb' (JupyterLab's Duplicate) or '02_ddp (1).ipynb'."""
+    return sorted(p for p in folder.glob("[0-9][0-9]_*.ipynb") if re.fullmatch(r"\d\d_\w+\.ipynb", p.name))
+
+
+def _one(notebooks: list[Path], which: str, where: Path) -> Path:
+    """The one notebook ``which`` names, or a ValueError that says why not."""
+    matches = _named(notebooks, which)
+    if len(matches) > 1:
+        raise ValueError(f"{which!r} names {len(matches)} notebooks in {where}: "
+                         f"{', '.join(p.name for p in matches)}. HINT: give the full name, e.g. "
+                         f"{matches[0].stem!r}.")
+    if not matches:
+        raise ValueError(f"no exercise {which!r}; there are: "
+                         f"{', '.join(p.stem for p in notebooks)} (in {where}). "
+                         f"HINT: its number, name or id, e.g. '02', '02_ddp' or '02-ddp'.")
+    return matches[0]
 
 
 def _named(notebooks: list[Path], which: str) -> list[Path]:
@@ -198,11 +218,7 @@ def stale(root=None) -> list[Path]:
 
 def _committed(root: Path, which: str) -> tuple[Path, str]:
     """(exercise path, its text as last committed): for a hand-out without solutions/."""
-    matches = _named(sorted((root / "exercises").glob("[0-9][0-9]_*.ipynb")), which)
-    if len(matches) != 1:
-        raise ValueError(f"no exercise {which!r} in {root / 'exercises'}. "
-                         f"HINT: its number, name or id, e.g. '02', '02_ddp' or '02-ddp'.")
-    exercise = matches[0]
+    exercise = _one(_notebooks(root / "exercises"), which, root / "exercises")
     try:
         text = subprocess.run(["git", "show", f"HEAD:exercises/{exercise.name}"], cwd=root,
                               capture_output=True, text=True, check=True, timeout=30).stdout

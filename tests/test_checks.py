@@ -74,7 +74,19 @@ MISTAKES = {
                                 "dist.all_reduce the counts"),
     "02-every-rank-prints": (labkit.check_ddp, "02_ddp.ipynb",
                              "    if rank == 0:\n", "    if True:\n", "print only where rank == 0"),
+    "02-sampler-not-shuffled": (labkit.check_ddp, "02_ddp.ipynb",
+                                "rank=rank, shuffle=True,", "rank=rank, shuffle=False,",
+                                "keep the sampler's shuffle=True"),
+    "02-no-destroy": (labkit.check_ddp, "02_ddp.ipynb",
+                      "dist.destroy_process_group()\n", "", "never calls dist.destroy_process_group()"),
+    "02-gpu-device-ids-on-cpu": (labkit.check_ddp, "02_ddp.ipynb",
+                                 'device_ids=[local_rank] if device.type == "cuda" else None',
+                                 "device_ids=[local_rank]", "DDP takes device_ids=None"),
 }
+
+# The hint that a check's closing line points to, for some mistakes: the one about that mistake.
+HINT_FOR = {"00-no-all-reduce": 3, "01-no-eval-mode": 2, "02-no-sampler-in-loader": 2,
+            "02-no-set-epoch": 2, "02-no-ddp-wrap": 3, "02-no-destroy": 3}
 
 
 @pytest.mark.launch
@@ -87,6 +99,8 @@ def test_each_mistake_gets_the_message_that_names_it(mistake, workdir):
     feedback = check("scripts/mine.py")
     assert feedback.status == "failed", feedback
     assert any(words in text for text in feedback.messages("fail")), feedback
+    if mistake in HINT_FOR:
+        assert f"labkit.hint({feedback.exercise!r}, {HINT_FOR[mistake]}) is about it" in str(feedback)
 
 
 # -- Feedback and attempt, without launching ---------------------------------------------------
@@ -114,7 +128,35 @@ def test_feedback_shows_text_html_and_a_machine_readable_part():
     assert "labkit.hint('00-hello', 1)" in bundle["text/plain"]
 
 
+def test_the_hint_line_points_to_the_hint_about_the_first_thing_wrong():
+    feedback = Feedback("02-ddp")
+    feedback.ok("the sampler is in place", hint=2)
+    feedback.fail("the ranks ended with different weights", hint=3)
+    feedback.fail("something without a hint")
+    assert "labkit.hint('02-ddp', 3) is about it" in str(feedback)
+    assert "labkit.hint(&#x27;02-ddp&#x27;, 3)" in feedback._repr_html_()
+    unsure = Feedback("02-ddp")
+    unsure.fail("something without a hint")
+    assert "labkit.hint('02-ddp', 1) gives a first hint" in str(unsure)
+
+
+@pytest.mark.launch
+def test_a_run_that_stopped_says_so_instead_of_counting_checks(workdir, write_script):
+    write_script("mine.py", "raise RuntimeError('boom')\n")
+    feedback, run = attempt("00-hello", "mine.py", nproc=1, device="cpu", timeout=120)
+    assert run is None and feedback.stopped and feedback.status == "failed"
+    assert "the run stopped before the checks could look at it" in str(feedback)
+    assert "checks pass" not in str(feedback)
+
+
+def test_a_missing_scripts_folder_is_named(workdir):
+    feedback, run = attempt("02-ddp", "scripts/ex02_ddp.py")
+    assert run is None and feedback.status == "failed"
+    assert "there is no folder 'scripts'" in feedback.messages("fail")[0]
+
+
 def test_a_script_not_written_yet_is_a_todo_not_a_crash(workdir):
+    (workdir / "scripts").mkdir()
     feedback, run = attempt("00-hello", "scripts/ex00_hello.py")
     assert run is None and feedback.status == "unfinished"
     assert "run the %%writefile cell above first" in feedback.messages("todo")[0]
@@ -133,6 +175,11 @@ def test_hints_come_in_order_and_say_what_is_next():
     assert first.number == 1 and "labkit.hint('02-ddp', 2)" in str(first)
     last = labkit.hint("02-ddp", first.total)
     assert "the last one" in str(last)
+
+
+@pytest.mark.parametrize("name", ["02-ddp", "02", "2", 2, "02_ddp", "02_ddp.ipynb"])
+def test_a_hint_takes_the_exercise_as_make_restore_does(name):
+    assert labkit.hint(name, 2).exercise == "02-ddp"
 
 
 @pytest.mark.parametrize("exercise, number, match", [
@@ -279,6 +326,8 @@ def test_each_03_to_06_mistake_gets_the_message_that_names_it(mistake, workdir):
     feedback = check("scripts/mine.py")
     assert feedback.status == "failed", feedback
     assert any(words in text for text in feedback.messages("fail")), feedback
+    if mistake in HINT_FOR:
+        assert f"labkit.hint({feedback.exercise!r}, {HINT_FOR[mistake]}) is about it" in str(feedback)
     for right in still_right:
         assert any(right in text for text in feedback.messages("ok")), (right, str(feedback))
 

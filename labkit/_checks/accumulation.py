@@ -120,13 +120,13 @@ def check_accumulation(target="scripts/ex04_accumulation.py", *, timeout: float 
         feedback.ok(f"optimizer.step() ran once per optimizer step, after all {k} micro-steps")
     elif calls == [0]:
         feedback.fail(f"optimizer.step() was never called: call it once per optimizer step, after the last of "
-                      f"the {k} micro-steps.")
+                      f"the {k} micro-steps.", hint=1)
     elif calls == [k]:
         feedback.fail(f"optimizer.step() ran {k} times per optimizer step, once per micro-step: the point is one "
-                      f"step with the gradient of all {k} micro-batches. Step once, after the last micro-step.")
+                      f"step with the gradient of all {k} micro-batches. Step once, after the last micro-step.", hint=1)
     else:
         feedback.fail(f"optimizer.step() ran {', '.join(map(str, calls))} times in an optimizer step; once, after "
-                      f"the last of the {k} micro-steps, is right.")
+                      f"the last of the {k} micro-steps, is right.", hint=1)
 
     # 2. One all-reduce of every gradient per optimizer step, counted by the DDP hook.
     param_bytes = int(per_step["param_bytes"].iloc[0])
@@ -138,15 +138,15 @@ def check_accumulation(target="scripts/ex04_accumulation.py", *, timeout: float 
         feedback.fail(f"DDP all-reduced every gradient {k} times per optimizer step ({k} × {param_bytes:,} bytes). "
                       f"Correct but wasteful: the result is the same, but {k - 1} of the {k} all-reduces carry "
                       f"partial sums that the next micro-step changes again. Wrap every micro-step but the last, "
-                      f"forward and backward, in model.no_sync().")
+                      f"forward and backward, in model.no_sync().", hint=2)
     elif reduced == [0]:
         feedback.fail("DDP never all-reduced a gradient (0 bytes counted): no_sync on the last micro-step too, so "
                       "the ranks never average their gradients, and their weights drift apart. Run the last "
-                      "micro-step outside model.no_sync().")
+                      "micro-step outside model.no_sync().", hint=2)
     else:
         shown = ", ".join(f"{b / param_bytes:g}×" for b in reduced)
         feedback.fail(f"DDP all-reduced {shown} the gradients' {param_bytes:,} bytes in an optimizer step; once is "
-                      f"right: model.no_sync() on every micro-step but the last.")
+                      f"right: model.no_sync() on every micro-step but the last.", hint=2)
 
     # 3. The gradient each optimizer.step() used, against one big batch's (comparable when it steps once).
     if calls == [1]:
@@ -159,7 +159,7 @@ def check_accumulation(target="scripts/ex04_accumulation.py", *, timeout: float 
                         f"{k} × {setting['batch_size']:.0f} = {effective} samples in one process (largest gap "
                         f"{max(gaps):.1e} of the largest gradient; tolerance {tolerance:g})")
         elif wrong[0] == 0:
-            feedback.fail(_explain_gradient(used[0], reference, k))
+            feedback.fail(_explain_gradient(used[0], reference, k), hint=1)
         else:
             s = wrong[0]
             leftover = all(_near(used[s][r] - used[s - 1][r], reference["grads"][s]) for r in range(world))
@@ -168,7 +168,7 @@ def check_accumulation(target="scripts/ex04_accumulation.py", *, timeout: float 
                           + ("still holds the previous step's: clear the gradients after every optimizer.step() "
                              "(optimizer.zero_grad(set_to_none=True))." if leftover else
                              f"differs from one big batch's (by {gaps[s]:.1e}): start every optimizer step from "
-                             f"cleared gradients."))
+                             f"cleared gradients."), hint=1)
 
     # 4. The weights: the same on every rank, and one process's on the big batches.
     weights = {r: saved[r]["weights"] for r in range(world)}
@@ -176,11 +176,11 @@ def check_accumulation(target="scripts/ex04_accumulation.py", *, timeout: float 
     gap = max(_gap(w, reference["weights"]) for w in weights.values())
     if spread > tolerance:
         feedback.fail(f"the ranks ended with different weights (up to {spread:.1e} apart): every optimizer step must "
-                      f"average the gradients over the ranks, so that every rank takes the same step.")
+                      f"average the gradients over the ranks, so that every rank takes the same step.", hint=2)
     else:
         feedback.expect(gap <= tolerance,
                         f"after {steps} optimizer steps every rank holds the weights one process reaches with plain "
                         f"SGD on one batch of {effective} per step (largest gap {gap:.1e})",
                         f"after {steps} optimizer steps the weights differ from those one process reaches with one "
-                        f"batch of {effective} per step (by up to {gap:.1e} of the largest weight).")
+                        f"batch of {effective} per step (by up to {gap:.1e} of the largest weight).", hint=1)
     return feedback

@@ -66,7 +66,7 @@ def _name_the_order(feedback: Feedback, script) -> None:
     if frames and "fully_shard" in frames[-1]["code"]:
         feedback.fail(f"fully_shard failed on line {frames[-1]['line']}. The order matters: fully_shard "
                       f"each block first, then the model. Once the root has taken every parameter, a "
-                      f"block can no longer become a unit of its own.")
+                      f"block can no longer become a unit of its own.", hint=1)
 
 
 def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedback:
@@ -120,28 +120,28 @@ def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedba
                     "no block is an FSDP unit of its own: call fully_shard(block) for each block in "
                     "model.blocks, before the root." if len(missing) == depth else
                     f"block(s) {missing} are not FSDP units of their own: call fully_shard(block) for each "
-                    f"block in model.blocks, before the root.")
+                    f"block in model.blocks, before the root.", hint=1)
     feedback.expect(root, "the model itself is an FSDP unit too: the root, which shards the stem and the head",
                     "the model itself is not an FSDP unit, so the stem and the head stay whole on every rank "
-                    "and nothing averages their gradients: call fully_shard(model) after the blocks.")
+                    "and nothing averages their gradients: call fully_shard(model) after the blocks.", hint=1)
     gathered, limit = int(max(first("gathered_bytes").values())), root_bytes + block_bytes
     if gathered <= limit:
         feedback.ok(f"at most the root and one block were whole at once: {gathered:,} of the model's "
                     f"{whole:,} bytes of weights")
     elif len(missing) == depth and not root:
-        feedback.fail(f"nothing is sharded: every rank holds all {gathered:,} bytes of weights, all the time.")
+        feedback.fail(f"nothing is sharded: every rank holds all {gathered:,} bytes of weights, all the time.", hint=1)
     elif len(missing) == depth:
         feedback.fail(f"the whole model ({gathered:,} bytes of weights) was whole at once: with only the root "
                       f"wrapped, FSDP gathers every weight when the forward pass starts. With each block a "
-                      f"unit of its own, only the root and one block ({limit:,} bytes) are whole at a time.")
+                      f"unit of its own, only the root and one block ({limit:,} bytes) are whole at a time.", hint=1)
     elif not root:
         feedback.fail(f"{gathered:,} bytes of weights were whole at once, more than the root and one block "
                       f"({limit:,}): without fully_shard(model), each block is an FSDP root of its own, and "
-                      f"a root keeps its weights gathered after its forward. Shard the root last.")
+                      f"a root keeps its weights gathered after its forward. Shard the root last.", hint=1)
     else:
         feedback.fail(f"{gathered:,} bytes of weights were whole at once, more than the root and one block "
                       f"({limit:,}): shard every block, and leave reshard_after_forward at its default "
-                      f"(True), so that each block frees its gathered weights after its forward.")
+                      f"(True), so that each block frees its gathered weights after its forward.", hint=1)
 
     # The prediction, against what FSDP done right holds.
     predicted = {r: tuple(int(first(f"predicted_{n}")[r]) for n in names) for r in range(world)}
@@ -157,7 +157,7 @@ def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedba
                     f"({share} of the model's {whole:,}), {t['grads']:,} of gradients and {t['optimizer']:,} "
                     f"of AdamW state")
     else:
-        feedback.fail(_misprediction(wrong[0], predicted[wrong[0]], truth[wrong[0]], whole, world, tensors))
+        feedback.fail(_misprediction(wrong[0], predicted[wrong[0]], truth[wrong[0]], whole, world, tensors), hint=2)
 
     # The measurement, against what this rank really holds (with the units it has).
     measured = {r: tuple(int(first(f"measured_{n}")[r]) for n in names) for r in range(world)}
@@ -174,17 +174,17 @@ def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedba
         if params == whole and h["params"] != whole:
             feedback.fail(f"you measured {params:,} bytes of parameters on rank {r}, the whole model's: count "
                           f"each DTensor's local shard (p.to_local()), as memory.model_bytes(model, optimizer) "
-                          f"does. Rank {r} holds {h['params']:,}.")
+                          f"does. Rank {r} holds {h['params']:,}.", hint=3)
         elif optim == 0:
             feedback.fail("you measured no optimizer state: pass the optimizer too, "
-                          "memory.model_bytes(model, optimizer).")
+                          "memory.model_bytes(model, optimizer).", hint=3)
         elif grads == 0:
             feedback.fail("you measured no gradients: measure where the TODO is, after optimizer.step() and "
-                          "before the next zero_grad(set_to_none=True) frees them.")
+                          "before the next zero_grad(set_to_none=True) frees them.", hint=3)
         else:
             feedback.fail(f"rank {r} holds {h['params']:,} / {h['grads']:,} / {h['optimizer']:,} bytes of "
                           f"parameters / gradients / optimizer state, but you measured {params:,} / "
-                          f"{grads:,} / {optim:,}: count the local shards, memory.model_bytes(model, optimizer).")
+                          f"{grads:,} / {optim:,}: count the local shards, memory.model_bytes(model, optimizer).", hint=3)
     return feedback
 
 

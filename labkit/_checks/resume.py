@@ -103,14 +103,14 @@ def _resume_pieces(feedback: Feedback, saved: dict, after: dict, step: int) -> l
                                       f"step {step}",
                            f"after the restart the weights on {on(wrong)} are not those saved at step "
                            f"{step}: save model.module.state_dict() and load it back into model.module on "
-                           f"every rank."):
+                           f"every rank.", hint=3):
         fixes.append("restore the model's weights on every rank")
     wrong = differ("momentum_fp")
     empty = " (it starts empty)" if any(after[r]["momentum_fp"] == 0 for r in wrong) else ""
     if not feedback.expect(not wrong, "the optimizer's momentum came back as it was",
                            f"the optimizer's momentum on {on(wrong)} is not what it was at step {step}"
                            f"{empty}: save optimizer.state_dict() and restore it with "
-                           f"optimizer.load_state_dict(...); without it, SGD's next steps point elsewhere."):
+                           f"optimizer.load_state_dict(...); without it, SGD's next steps point elsewhere.", hint=1):
         fixes.append("save and restore the optimizer's state (its momentum) too")
     wrong = differ("rng_fp")
     borrowed = [r for r in wrong if r != 0 and 0 in saved and after[r]["rng_fp"] == saved[0]["rng_fp"]]
@@ -119,12 +119,12 @@ def _resume_pieces(feedback: Feedback, saved: dict, after: dict, step: int) -> l
     elif borrowed:
         feedback.fail(f"{on(borrowed)} went on with rank 0's random stream, not its own: each rank draws "
                       f"its own flips, so gather every rank's checkpoint.rng_state() on rank 0 "
-                      f"(dist.gather_object) and restore state['rng'][rank] on each rank.")
+                      f"(dist.gather_object) and restore state['rng'][rank] on each rank.", hint=2)
         fixes.append("restore each rank's own RNG state")
     else:
         feedback.fail(f"the random stream on {on(wrong)} does not go on where it was at step {step}: "
                       f"save every rank's checkpoint.rng_state() and restore it with "
-                      f"checkpoint.set_rng_state(...), or the random flips differ.")
+                      f"checkpoint.set_rng_state(...), or the random flips differ.", hint=2)
         fixes.append("save and restore every rank's RNG state")
     wrong = differ("epoch", "batch_in_epoch")
     if not wrong:
@@ -137,7 +137,7 @@ def _resume_pieces(feedback: Feedback, saved: dict, after: dict, step: int) -> l
                       f"{now['batch_in_epoch']:.0f}, but at step {step} the run was at epoch "
                       f"{was['epoch']:.0f}, batch {was['batch_in_epoch']:.0f}: save epoch and "
                       f"batch_in_epoch, and restore both (the loop sets the sampler from them), or the "
-                      f"run trains on other batches than it would have.")
+                      f"run trains on other batches than it would have.", hint=1)
         fixes.append("save and restore the sampler's epoch and position")
     return fixes
 
@@ -192,19 +192,19 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout: float = 300,
     path, reference, error = _load_latest(folders["whole"])
     if path is None:
         feedback.fail(f"the run left no checkpoint in {folders['whole']}: in save_checkpoint, rank 0 writes "
-                      f"one with checkpoint.save_atomic(state, checkpoint.step_path(args.ckpt_dir, step)).")
+                      f"one with checkpoint.save_atomic(state, checkpoint.step_path(args.ckpt_dir, step)).", hint=2)
         return feedback
     if error is not None:
         feedback.fail(f"{path.name} does not load with weights_only=True ({error}): save only tensors, "
                       f"numbers, strings and plain lists and dicts; checkpoint.rng_state() gives the RNG "
-                      f"states in that form.")
+                      f"states in that form.", hint=1)
         return feedback
     wrapped = _wrapper_keys(reference)
     feedback.expect(not wrapped, f"the checkpoint ({path.name}) loads with weights_only=True, and its weights' "
                                  f"names have no 'module.' prefix, so they load into a plain model",
                     f"{path.name} names the weights {wrapped[0] if wrapped else ''!r} and so on: that is the "
                     f"DDP wrapper's state_dict. Save the unwrapped model, model.module.state_dict(), so "
-                    f"that the weights load into a plain model.")
+                    f"that the weights load into a plain model.", hint=1)
 
     # 2. The fault drill: the last rank crashes; torchrun restarts the job once.
     crash_at = drill["crash_at"]
@@ -230,7 +230,7 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout: float = 300,
     if resumed.empty:
         feedback.fail(f"after the crash at step {crash_at} the restarted job began again at step 0: find the "
                       f"newest checkpoint with checkpoint.latest(args.ckpt_dir), load it, and set step, epoch "
-                      f"and batch_in_epoch from it.")
+                      f"and batch_in_epoch from it.", hint=3)
         fixes.append("resume from checkpoint.latest(args.ckpt_dir)")
     else:
         steps = sorted({int(s) for s in resumed["resumed_from"]})
@@ -240,7 +240,7 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout: float = 300,
                         f"after the crash at step {crash_at} the job resumed at step "
                         f"{', '.join(map(str, steps))}, but the newest checkpoint before the crash was step "
                         f"{resume_at}: load checkpoint.latest(args.ckpt_dir), and save the step the run has "
-                        f"reached.")
+                        f"reached.", hint=3)
         saves = first.dropna(subset=["saved"]) if "saved" in first else first.iloc[:0]
         saved = {int(r["rank"]): r for _, r in saves[saves["step"] == steps[0]].iterrows()}
         after = {int(r["rank"]): r for _, r in resumed.groupby("rank").head(1).iterrows()}
@@ -265,7 +265,7 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout: float = 300,
                            f"after the restart the losses leave the uninterrupted run's from step "
                            f"{min(leave) if leave else 0} on: "
                            + (fixes[0] if fixes else "some piece of state did not come back; compare what "
-                              "you save with everything the loop changes") + "."):
+                              "you save with everything the loop changes") + ".", hint=3):
         return feedback
     _, final, _ = _load_latest(folders["drill"])
     if final is not None:
@@ -275,5 +275,5 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout: float = 300,
         feedback.expect(a and not differ, f"both runs end with the same final checkpoint: all {len(a)} "
                                           f"tensors of weights and optimizer state are equal, {how}",
                         f"the final checkpoints differ at {', '.join(differ[:4]) or 'every tensor'}: both runs "
-                        f"should end in the same state.")
+                        f"should end in the same state.", hint=1)
     return feedback

@@ -196,10 +196,10 @@ def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout: float = 180) -> Fe
                     f"outputs equal nn.BatchNorm2d's on all {total} at once, at each of the {steps} steps "
                     f"(largest gap {gap:.1e}; tolerance {TOL_03:g})")
     elif step == 1:
-        feedback.fail(_explain_output(want[0]["x"], [saved[r][0]["output"] for r in range(world)], weight, bias))
+        feedback.fail(_explain_output(want[0]["x"], [saved[r][0]["output"] for r in range(world)], weight, bias), hint=2)
     else:
         feedback.fail(f"the outputs are right at the first step but not at step {step} (gap {gap:.1e}): each step "
-                      f"must use that step's statistics only.")
+                      f"must use that step's statistics only.", hint=2)
 
     if outputs_right:
         gap, step = worst("input_grad")
@@ -209,12 +209,12 @@ def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout: float = 180) -> Fe
                         f"all-reduce to every rank's inputs")
         elif missing:
             feedback.fail("no gradient reached the inputs: do not detach x or compute the output under "
-                          "torch.no_grad(); only the running statistics' update belongs there.")
+                          "torch.no_grad(); only the running statistics' update belongs there.", hint=1)
         else:
             feedback.fail(f"the outputs are right, but the input gradients are not (off by up to {gap:.1e}): the "
                           f"gradient does not travel back through the all-reduce. Every rank's loss depends on every "
                           f"rank's inputs, so AllReduceSum.backward must all-reduce grad_output too; a plain "
-                          f"dist.all_reduce in forward is invisible to autograd.")
+                          f"dist.all_reduce in forward is invisible to autograd.", hint=1)
         shares = []
         for s in range(steps):
             parts = [saved[r][s][k] for r in range(world) for k in ("weight_grad", "bias_grad")]
@@ -227,7 +227,7 @@ def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout: float = 180) -> Fe
                         f"the weight and bias gradients, added over the ranks as DDP would, equal BatchNorm's "
                         f"(largest gap {max(shares):.1e})",
                         "the weight and bias gradients, added over the ranks, are not BatchNorm's: the output is "
-                        "x̂ · weight + bias, with weight and bias the layer's own parameters.")
+                        "x̂ · weight + bias, with weight and bias the layer's own parameters.", hint=3)
 
     gap_mean, step_mean = worst("running_mean", per_rank=False)
     gap_var, step_var = worst("running_var", per_rank=False)
@@ -237,7 +237,7 @@ def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout: float = 180) -> Fe
     elif min(step_mean, step_var) == 1 and any(saved[r][0][k] is None for r in range(world)
                                                for k in ("running_mean", "running_var")):
         feedback.fail("the layer has no running statistics any more: keep the buffers of nn.BatchNorm2d and "
-                      "update them in place.")
+                      "update them in place.", hint=3)
     else:
         first = {r: (saved[r][0]["running_mean"], saved[r][0]["running_var"]) for r in range(world)}
         step = min(s for s, g in ((step_mean, gap_mean), (step_var, gap_var)) if g > TOL_03)
@@ -245,11 +245,11 @@ def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout: float = 180) -> Fe
                           for m, v in first.values())
         if right_first:
             feedback.fail(f"the running statistics are right after the first step, not after step {step}: keep "
-                          f"(1 − momentum) of the old value each time, running.lerp_(new, momentum).")
+                          f"(1 − momentum) of the old value each time, running.lerp_(new, momentum).", hint=3)
         elif not outputs_right:
             feedback.fail("the running statistics are not BatchNorm's either: they follow from the global mean "
                           "and variance, momentum · mean into running_mean and the unbiased variance into "
-                          "running_var.")
+                          "running_var.", hint=3)
         else:
-            feedback.fail(_explain_running(*first[0], want[0]["x"]))
+            feedback.fail(_explain_running(*first[0], want[0]["x"]), hint=3)
     return feedback
