@@ -76,7 +76,8 @@ def plot_metric(runs, y: str, *, x: str = "step", ax=None, title: str | None = N
         y: the logged name, e.g. ``"loss"`` or ``"test_acc"``.
         x: ``"step"``, ``"samples"`` (all ranks together) or ``"time"`` (seconds since launch).
         ax: a matplotlib Axes to draw on (default: a new figure).
-        labels: legend entries, one per run (default: the runs' names).
+        labels: legend entries, one per run (default: the runs' names). When the runs trained
+            on different data (CIFAR-10 and the synthetic set), each entry says which.
 
     Returns:
         the matplotlib Axes.
@@ -91,6 +92,9 @@ def plot_metric(runs, y: str, *, x: str = "step", ax=None, title: str | None = N
     labels = [run.name for run in runs] if labels is None else list(labels)
     if len(labels) != len(runs):
         raise ValueError(f"labels has {len(labels)} entries for {len(runs)} run(s): {labels}")
+    data = [getattr(run, "data", None) for run in runs]
+    if len({d for d in data if d}) > 1:  # e.g. a CIFAR-10 reference run next to a synthetic one
+        labels = [f"{label} ({d or 'data unknown'})" for label, d in zip(labels, data)]
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 3.8))
     for run, label in zip(runs, labels):

@@ -61,6 +61,17 @@ class Run:
     start_time = property(lambda self: self.info.get("start_time"))
 
     @property
+    def data(self) -> str | None:
+        """The data set the run trained on, "CIFAR-10" or "synthetic", as rank 0 noted it when it
+        called ``labkit.data.get_datasets``; None for a script that did not."""
+        from labkit.data import DATA_FILE
+
+        try:
+            return json.loads((self.run_dir / DATA_FILE).read_text()).get("source")
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    @property
     def caption(self) -> str:
         """Hardware, backend and threads or devices per rank, for chart captions."""
         hw = self.info.get("hardware", {})
@@ -87,7 +98,7 @@ class Run:
         return cls(run_dir, json.loads(meta.read_text()))
 
     def export(self, folder: str | os.PathLike) -> "Run":
-        """Copy what the charts need (run.json and every rank's metrics) to ``folder``.
+        """Copy what the charts need (run.json, the data note and every rank's metrics) to ``folder``.
 
         The copy is small and all text, so it can be committed and shipped: an instructor
         records reference runs on a GPU box, and learners without GPUs load them with
@@ -107,6 +118,10 @@ class Run:
         (target / "metrics").mkdir()
         for path in sorted((self.run_dir / "metrics").glob("rank*.jsonl")):
             (target / "metrics" / path.name).write_bytes(path.read_bytes())
+        from labkit.data import DATA_FILE
+
+        if (self.run_dir / DATA_FILE).is_file():
+            (target / DATA_FILE).write_bytes((self.run_dir / DATA_FILE).read_bytes())
         info = dict(self.info, exported_from=str(self.run_dir))
         (target / "run.json").write_text(json.dumps(info, indent=2, default=str))
         return Run.load(target)

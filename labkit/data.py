@@ -15,6 +15,7 @@ set you got, and why.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from dataclasses import dataclass
@@ -158,7 +159,7 @@ def get_datasets(data_dir: str | os.PathLike = "data", *, synthetic: bool = Fals
         DataSets(train, test, source, description).
     """
     root = Path(data_dir)
-    reason = "synthetic=True (smoke mode)" if synthetic else None
+    reason = "the script asked for it (synthetic=True, e.g. --synthetic)" if synthetic else None
     if not synthetic and not _cifar_on_disk(root):
         if not download:
             reason = f"CIFAR-10 is not in {root} and download=False"
@@ -183,10 +184,29 @@ def get_datasets(data_dir: str | os.PathLike = "data", *, synthetic: bool = Fals
         train = _first(CIFAR10(str(root), train=True, transform=train_tf), train_size, seed)
         test = _first(CIFAR10(str(root), train=False, transform=T.Compose(normalize)),
                       test_size, seed)
-        return DataSets(train, test, "CIFAR-10",
-                        f"data: CIFAR-10 from {root} ({len(train)} train / {len(test)} test images)")
+        return _noted(DataSets(train, test, "CIFAR-10",
+                               f"data: CIFAR-10 from {root} ({len(train)} train / {len(test)} test images)"))
     train = SyntheticCIFAR(train_size or 10_000, seed=seed, split="train")
     test = SyntheticCIFAR(test_size or 2_000, seed=seed, split="test")
-    return DataSets(train, test, "synthetic",
-                    f"data: synthetic CIFAR-like set, seed {seed} ({len(train)} train / "
-                    f"{len(test)} test images), because {reason}")
+    return _noted(DataSets(train, test, "synthetic",
+                           f"data: synthetic CIFAR-like set, seed {seed} ({len(train)} train / "
+                           f"{len(test)} test images), because {reason}"))
+
+
+#: The file in a run folder that says which data the run trained on (``Run.data``).
+DATA_FILE = "data.json"
+
+
+def _noted(sets: DataSets) -> DataSets:
+    """Under labkit.launch, rank 0 writes which data set it got into the run folder, so that a
+    run (a reference run shipped to a workshop too) always says what it trained on."""
+    from labkit.metrics import RUN_DIR_ENV
+
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if run_dir and os.environ.get("RANK", "0") == "0":
+        try:
+            Path(run_dir, DATA_FILE).write_text(
+                json.dumps({"source": sets.source, "description": sets.description}) + "\n")
+        except OSError:  # the run folder is the launcher's; never fail training over a note
+            pass
+    return sets

@@ -43,7 +43,25 @@ def test_synthetic_is_learnable_well_above_chance():
 
 def test_it_always_says_which_data_and_why(tmp_path):
     smoke = get_datasets(tmp_path, synthetic=True, train_size=32, test_size=16)
-    assert smoke.source == "synthetic" and "smoke mode" in smoke.description
+    assert smoke.source == "synthetic" and "the script asked for it" in smoke.description
     offline = get_datasets(tmp_path, download=False, train_size=32, test_size=16)
     assert offline.source == "synthetic"
     assert "CIFAR-10 is not in" in offline.description and "download=False" in offline.description
+
+
+def test_under_a_launch_rank_0_notes_the_data_in_the_run_folder(tmp_path, monkeypatch):
+    from labkit import Run
+    from labkit.metrics import RUN_DIR_ENV
+
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text('{"name": "r", "command": "", "nproc": 1}')
+    assert Run.load(run_dir).data is None, "a run whose script never asked for data says nothing"
+    monkeypatch.setenv(RUN_DIR_ENV, str(run_dir))
+    monkeypatch.setenv("RANK", "1")
+    get_datasets(tmp_path, synthetic=True, train_size=8, test_size=8)
+    assert Run.load(run_dir).data is None, "only rank 0 writes the note"
+    monkeypatch.setenv("RANK", "0")
+    get_datasets(tmp_path, download=False, train_size=8, test_size=8)
+    assert Run.load(run_dir).data == "synthetic"
+    assert "download=False" in (run_dir / "data.json").read_text()

@@ -69,3 +69,16 @@ def test_plot_loss_takes_legend_labels_one_per_run(tmp_path):
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["1 rank", "2 ranks"]
     with pytest.raises(ValueError, match="labels has 1 entries for 2 run"):
         labkit.plot_loss([a, b], labels=["only one"])
+
+
+def test_runs_on_different_data_say_which_in_the_legend(tmp_path):
+    a = make_run(tmp_path / "a", {0: [rec(0, 1, 1.0, loss=2.0), rec(0, 2, 2.0, loss=1.0)]})
+    b = make_run(tmp_path / "b", {0: [rec(0, 1, 1.0, loss=2.5), rec(0, 2, 2.0, loss=1.5)]})
+    (a.run_dir / "data.json").write_text('{"source": "CIFAR-10"}')
+    (b.run_dir / "data.json").write_text('{"source": "synthetic"}')
+    ax = labkit.plot_loss([a, b], labels=["8 GPUs (reference)", "mine"])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "8 GPUs (reference) (CIFAR-10)", "mine (synthetic)"]
+    (b.run_dir / "data.json").write_text('{"source": "CIFAR-10"}')
+    ax = labkit.plot_loss([a, b], labels=["8 GPUs (reference)", "mine"])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["8 GPUs (reference)", "mine"]

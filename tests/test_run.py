@@ -118,10 +118,12 @@ def test_export_copies_what_charts_need_and_never_overwrites(tmp_path):
                               1: [rec(1, 1, 1.0, loss=2.2, samples=4), rec(1, 2, 2.0, loss=1.4, samples=4)]})
     (run.run_dir / "torchrun").mkdir()
     (run.run_dir / "torchrun" / "big.log").write_text("x" * 10_000)
+    (run.run_dir / "data.json").write_text('{"source": "CIFAR-10", "description": "data: CIFAR-10"}')
     shipped = run.export(tmp_path / "reference" / "02-ddp")
     assert shipped.metrics().equals(run.metrics())
     assert Run.load(tmp_path / "reference" / "02-ddp").name == run.name
+    assert shipped.data == "CIFAR-10", "a reference run keeps saying what it trained on"
     assert sorted(p.name for p in shipped.run_dir.rglob("*") if p.is_file()) == [
-        "rank0.jsonl", "rank1.jsonl", "run.json"]
+        "data.json", "rank0.jsonl", "rank1.jsonl", "run.json"]
     with pytest.raises(FileExistsError, match="not empty.*nothing was overwritten"):
         run.export(tmp_path / "reference" / "02-ddp")
