@@ -5,9 +5,11 @@ from __future__ import annotations
 import html
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -99,13 +101,77 @@ def cifar10_on_disk(data_dir: str | os.PathLike = "data") -> bool:
     return (Path(data_dir) / "cifar-10-batches-py" / "data_batch_1").is_file()
 
 
-def doctor(data_dir: str | os.PathLike = "data") -> Report:
+def _data_dirs(data_dir) -> list[Path]:
+    """Where lessons look for CIFAR-10: ``data/`` next to the notebook that runs (the folder a
+    launch starts in), so both this folder's and the course's lesson folder's."""
+    if data_dir is not None:
+        return [Path(data_dir)]
+    return list(dict.fromkeys([Path("data").resolve(), (_REPO / "notebooks" / "data").resolve()]))
+
+
+def _driver_cuda() -> str | None:
+    """The newest CUDA the NVIDIA driver supports ("12.4"), from nvidia-smi; None without one."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"CUDA Version:\s*(\d+\.\d+)", out)
+    return found[1] if found else None
+
+
+def cuda_driver_check(build: str | None, driver: str | None) -> Check:
+    """Does the driver run this PyTorch's CUDA build? A driver older than the build's major
+    version cannot; an older minor version usually can (CUDA's minor version compatibility)."""
+    if not build or not driver:
+        return Check("CUDA driver", driver or "not found", "info")
+    have, need = (tuple(int(x) for x in v.split(".")[:2]) for v in (driver, build))
+    if have >= need:
+        return Check("CUDA driver", f"supports CUDA {driver}; PyTorch is built for {build}")
+    if have[0] == need[0]:
+        return Check("CUDA driver", f"supports CUDA {driver}; PyTorch is built for {build}", "info",
+                     "an older minor version usually works; if kernels fail to load, update the "
+                     "driver or install PyTorch built for your CUDA")
+    return Check("CUDA driver", f"supports CUDA {driver}, but PyTorch is built for {build}", "warn",
+                 f"every GPU launch will fail: update the NVIDIA driver, or install a PyTorch built "
+                 f"for CUDA {driver} or older (README: the TORCH= option of make)")
+
+
+def launch_check(timeout: float = 120) -> Check:
+    """Launch a tiny all-reduce on the ranks lessons use: loopback, rendezvous and backend in one."""
+    from labkit._errors import LabkitError
+    from labkit._launch import launch
+
+    script = Path(__file__).resolve().parent / "_selftest.py"
+    with tempfile.TemporaryDirectory(prefix="labkit-doctor-") as runs:  # leaves nothing behind
+        try:
+            run = launch(script, timeout=timeout, name="doctor", quiet=True, runs_dir=runs)
+            sums = run.metrics()["rank_sum"].dropna().tolist()
+        except LabkitError as err:
+            lines = [line for line in str(err).splitlines() if line.strip()]
+            return Check("a first launch", "failed", "warn", " ".join(lines[:3])[:400])
+    expected = run.nproc * (run.nproc - 1) / 2
+    if len(sums) != run.nproc or any(v != expected for v in sums):
+        return Check("a first launch", f"the ranks' all-reduce gave {sums}, not {expected:g} on each",
+                     "warn", "the backend returned a wrong sum: check the installation of PyTorch")
+    return Check("a first launch", f"{run.nproc} rank(s) on {run.info.get('device', '?').upper()} "
+                                   f"all-reduced correctly in {run.wall_s:.1f} s")
+
+
+def doctor(data_dir: str | os.PathLike | None = None, *, launch: bool = False) -> Report:
     """Check this machine for the course; returns a Report (a table in Jupyter).
 
-    Reports Python, torch, CUDA, NCCL and gloo, the GPUs (and their topology),
-    the CPU cores, whether this kernel runs in the course's environment, the
-    backend and nproc that launches will use, and which data set lessons get.
-    It never creates a CUDA context in this process.
+    Reports Python, torch, CUDA (the build and what the driver supports), NCCL and
+    gloo, the GPUs (and their topology), the CPU cores, whether this kernel runs in
+    the course's environment, the backend and nproc that launches will use, and
+    which data set lessons get. It never creates a CUDA context in this process.
+
+    Args:
+        data_dir: where to look for CIFAR-10 (default: ``data/`` here and in ``notebooks/``).
+        launch: also launch a tiny all-reduce on those ranks (a few seconds): the seat
+            check of a workshop (``make doctor``).
 
     Example (lesson 00)::
 
@@ -136,6 +202,7 @@ def doctor(data_dir: str | os.PathLike = "data") -> Report:
     cuda_build = torch.version.cuda
     add(Check("CUDA (build)", cuda_build or "none (CPU-only build)", "info"))
     if gpus:
+        add(cuda_driver_check(cuda_build, _driver_cuda()))
         for g in gpus:
             add(Check(f"GPU {g.index}", f"{g.name}, {g.memory_mib / 1024:.0f} GiB"))
         topo = _topology()
@@ -161,10 +228,14 @@ def doctor(data_dir: str | os.PathLike = "data") -> Report:
     smoke = " (smoke mode: LABKIT_SMOKE is set)" if _hardware.is_smoke() else ""
     add(Check("launches will use",
               f"{report.nproc} rank(s) on {report.device.upper()}, backend {report.backend}{smoke}"))
-    report.dataset = "CIFAR-10" if cifar10_on_disk(data_dir) else "synthetic"
-    if report.dataset == "CIFAR-10":
-        add(Check("data", f"CIFAR-10 found in {Path(data_dir).resolve()}"))
+    found = [d for d in _data_dirs(data_dir) if cifar10_on_disk(d)]
+    report.dataset = "CIFAR-10" if found else "synthetic"
+    if found:
+        add(Check("data", f"CIFAR-10 found in {found[0]}"))
     else:
-        add(Check("data", "CIFAR-10 not on disk: full runs try to download it, "
-                          "smoke runs and offline machines use the synthetic set", "info"))
+        add(Check("data", f"CIFAR-10 not on disk (looked in {', '.join(map(str, _data_dirs(data_dir)))}): "
+                          f"full runs try to download it, smoke runs and offline machines use the "
+                          f"synthetic set", "info"))
+    if launch:
+        add(launch_check())
     return report

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import labkit
 from labkit import _hardware
 
@@ -48,3 +50,48 @@ def test_cuda_visible_devices_is_applied(monkeypatch):
     assert [g.index for g in _hardware.gpus()] == [0, 2]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert _hardware.gpu_count() == 0
+
+
+def test_by_default_cifar_is_looked_for_where_the_lessons_keep_it(monkeypatch, tmp_path):
+    from labkit import _doctor
+
+    monkeypatch.chdir(tmp_path)  # e.g. `make doctor` at the course's root
+    lessons = tmp_path / "course"
+    (lessons / "notebooks" / "data" / "cifar-10-batches-py").mkdir(parents=True)
+    (lessons / "notebooks" / "data" / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"x")
+    monkeypatch.setattr(_doctor, "_REPO", lessons)
+    report = labkit.doctor()
+    assert report.dataset == "CIFAR-10" and "notebooks/data" in report["data"].value
+
+
+@pytest.mark.parametrize("build, driver, status, words", [
+    ("12.6", "12.8", "ok", "supports CUDA 12.8; PyTorch is built for 12.6"),
+    ("12.8", "12.4", "info", "an older minor version usually works"),
+    ("13.0", "12.4", "warn", "every GPU launch will fail"),
+    (None, "12.4", "info", ""),
+])
+def test_the_driver_is_compared_with_pytorchs_cuda(build, driver, status, words):
+    from labkit._doctor import cuda_driver_check
+
+    check = cuda_driver_check(build, driver)
+    assert check.status == status and words in check.value + check.advice
+
+
+@pytest.mark.launch
+def test_the_seat_check_launches_a_real_all_reduce(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(_hardware, "gpus", lambda: [])
+    report = labkit.doctor(data_dir=tmp_path, launch=True)
+    assert report["a first launch"].status == "ok", report
+    assert "2 rank(s) on CPU all-reduced correctly" in report["a first launch"].value
+    assert not (tmp_path / "runs").exists(), "the seat check leaves no run folder behind"
+
+
+def test_a_seat_whose_launch_fails_gets_a_warning(monkeypatch):
+    from labkit import _launch, LaunchError
+
+    def broken(*args, **kwargs):
+        raise LaunchError("rank 0 failed: RuntimeError: connection refused\nHINT: a firewall?")
+    monkeypatch.setattr(_launch, "launch", broken)
+    check = labkit._doctor.launch_check()
+    assert check.status == "warn" and "connection refused" in check.advice
