@@ -46,9 +46,9 @@ restore: $(STAMP)
 	@test -n "$(EX)" || { echo "usage: make restore EX=02   (the exercise's number, name or id)" >&2; exit 2; }
 	$(PY) -m labkit.exercises restore "$(EX)"
 
-# The set-up check for one seat of a workshop: prints the report, fails on a warning.
+# The set-up check for one seat of a workshop: the report and a first 2-rank launch; fails on a warning.
 doctor: $(STAMP)
-	$(PY) -c "import labkit, sys; report = labkit.doctor(); print(report); sys.exit(0 if report.ok else 1)"
+	$(PY) -c "import labkit, sys; report = labkit.doctor(launch=True); print(report); sys.exit(0 if report.ok else 1)"
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch_overhead.py
