@@ -18,7 +18,7 @@ SMOKE_ENV = "LABKIT_SMOKE"
 
 
 def is_smoke() -> bool:
-    """True when ``LABKIT_SMOKE`` asks for smoke mode: tiny data, few steps, 2 CPU ranks at most.
+    """True when ``LABKIT_SMOKE`` asks for smoke mode: tiny data, few steps, 2 ranks at most.
 
     CI sets it; a learner may too, for a quick first pass through a lesson.
     """
