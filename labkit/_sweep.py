@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 from labkit import _hardware
+from labkit._errors import LabkitError
 from labkit._launch import launch, make_run_dir, safe_name
 from labkit._plan import check_nproc, plan, resolve_device
 from labkit._live import in_notebook
@@ -106,11 +107,11 @@ def sweep(script, *, nprocs, repeats=3, args=(), device="auto", threads_per_rank
 
     Raises:
         ValueError: empty ``nprocs``, a bad nproc, ``repeats < 1`` (before anything runs).
-        LaunchError: a run failed.
+        LaunchError: a run failed; its ``.sweep`` holds the runs that finished before it.
 
     Example (lesson 02)::
 
-        sweep = labkit.sweep("scripts/02_ddp.py", nprocs=[1, 2], repeats=3, args=["--smoke"])
+        sweep = labkit.sweep("scripts/02_ddp.py", nprocs=[1, 2], repeats=3, args=["--epochs", "1"])
     """
     if isinstance(nprocs, int) or not hasattr(nprocs, "__iter__"):
         raise TypeError(f"nprocs must be a list of ints, e.g. [1, 2], got {nprocs!r}")
@@ -150,14 +151,23 @@ def sweep(script, *, nprocs, repeats=3, args=(), device="auto", threads_per_rank
             progress = f"sweep {name}: run {len(result.runs) + 1}/{total} (nproc={n}, repeat {repeat + 1})"
             if handle is not None:
                 handle.update({"text/plain": progress}, raw=True)
-            run = launch(script, nproc=n, args=args, device=device, timeout=timeout,
-                         threads_per_rank=threads_per_rank, name=label, runs_dir=sweep_dir,
-                         quiet=True)
+            try:
+                run = launch(script, nproc=n, args=args, device=device, timeout=timeout,
+                             threads_per_rank=threads_per_rank, name=label, runs_dir=sweep_dir,
+                             quiet=True)
+            except LabkitError as err:
+                err.sweep = result  # the runs that did finish stay usable
+                print(f"sweep {name} stopped at run {len(result.runs) + 1}/{total}; the runs before it "
+                      f"are in {sweep_dir} (labkit.Sweep.load reads them)")
+                raise
             result.runs.append(run)
             info["runs"].append(run.run_dir.name)
             (sweep_dir / "sweep.json").write_text(json.dumps(info, indent=2))
-            print(f"nproc={n} repeat {repeat + 1}/{repeats}: {run.throughput():,.0f} samples/s "
-                  f"({run.wall_s:.1f} s)")
+            try:
+                speed = f"{run.throughput():,.0f} samples/s"
+            except LabkitError as err:  # e.g. too few windows: sweep.table() will say so again
+                speed = f"no throughput ({str(err).splitlines()[0]})"
+            print(f"nproc={n} repeat {repeat + 1}/{repeats}: {speed} ({run.wall_s:.1f} s)")
     if handle is not None:
         handle.update({"text/plain": f"sweep {name}: {total} runs done — {sweep_dir}"}, raw=True)
     return result

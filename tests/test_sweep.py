@@ -41,3 +41,22 @@ def test_sweep_table_speedup_and_reload(workdir, write_script):
     ax = labkit.plot_speedup(sweep)
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "ideal (linear)" in labels and "efficiency" in labels
+
+
+@pytest.mark.launch
+def test_a_sweep_too_short_to_time_still_returns_its_runs(workdir, write_script, capsys):
+    write_script("short.py", TINY.replace("range(8)", "range(1)"))
+    sweep = labkit.sweep("short.py", nprocs=[1], repeats=1, timeout=120)
+    assert len(sweep.runs) == 1 and "no throughput" in capsys.readouterr().out
+    with pytest.raises(labkit.LabkitError, match="steady"):
+        sweep.table()
+
+
+@pytest.mark.launch
+def test_a_failed_run_hands_back_the_runs_before_it(workdir, write_script):
+    write_script("flaky.py", TINY.replace('dist.init_process_group("gloo")',
+                                          'dist.init_process_group("gloo")\n'
+                                          '    if dist.get_world_size() == 2: raise RuntimeError("boom")'))
+    with pytest.raises(labkit.LaunchError) as caught:
+        labkit.sweep("flaky.py", nprocs=[1, 2], repeats=1, timeout=120)
+    assert [run.nproc for run in caught.value.sweep.runs] == [1]
