@@ -95,8 +95,8 @@ class Feedback:
             return ""
         numbers = [n for (status, _), n in zip(self.items, self.hints) if status != "ok" and n]
         if numbers:
-            return (f"Stuck on the first ✗ or …? labkit.hint({self.exercise!r}, {numbers[0]}) "
-                    f"is about it.")
+            return (f"Stuck? labkit.hint({self.exercise!r}, {numbers[0]}) is about the first thing "
+                    f"to fix above.")
         return f"Stuck? labkit.hint({self.exercise!r}, 1) gives a first hint."
 
     def __str__(self) -> str:

@@ -86,7 +86,8 @@ MISTAKES = {
 
 # The hint that a check's closing line points to, for some mistakes: the one about that mistake.
 HINT_FOR = {"00-no-all-reduce": 3, "01-no-eval-mode": 2, "02-no-sampler-in-loader": 2,
-            "02-no-set-epoch": 2, "02-no-ddp-wrap": 3, "02-no-destroy": 3}
+            "02-no-set-epoch": 2, "02-no-ddp-wrap": 3, "02-no-destroy": 3, "04-no-no-sync": 2,
+            "06-root-sharded-first": 1, "06-measured-without-optimizer": 3}
 
 
 @pytest.mark.launch
@@ -100,7 +101,7 @@ def test_each_mistake_gets_the_message_that_names_it(mistake, workdir):
     assert feedback.status == "failed", feedback
     assert any(words in text for text in feedback.messages("fail")), feedback
     if mistake in HINT_FOR:
-        assert f"labkit.hint({feedback.exercise!r}, {HINT_FOR[mistake]}) is about it" in str(feedback)
+        assert f"labkit.hint({feedback.exercise!r}, {HINT_FOR[mistake]}) is about the first thing to fix" in str(feedback)
 
 
 # -- Feedback and attempt, without launching ---------------------------------------------------
@@ -133,7 +134,7 @@ def test_the_hint_line_points_to_the_hint_about_the_first_thing_wrong():
     feedback.ok("the sampler is in place", hint=2)
     feedback.fail("the ranks ended with different weights", hint=3)
     feedback.fail("something without a hint")
-    assert "labkit.hint('02-ddp', 3) is about it" in str(feedback)
+    assert "labkit.hint('02-ddp', 3) is about the first thing to fix" in str(feedback)
     assert "labkit.hint(&#x27;02-ddp&#x27;, 3)" in feedback._repr_html_()
     unsure = Feedback("02-ddp")
     unsure.fail("something without a hint")
@@ -327,7 +328,7 @@ def test_each_03_to_06_mistake_gets_the_message_that_names_it(mistake, workdir):
     assert feedback.status == "failed", feedback
     assert any(words in text for text in feedback.messages("fail")), feedback
     if mistake in HINT_FOR:
-        assert f"labkit.hint({feedback.exercise!r}, {HINT_FOR[mistake]}) is about it" in str(feedback)
+        assert f"labkit.hint({feedback.exercise!r}, {HINT_FOR[mistake]}) is about the first thing to fix" in str(feedback)
     for right in still_right:
         assert any(right in text for text in feedback.messages("ok")), (right, str(feedback))
 
