@@ -29,7 +29,7 @@ def _metrics(feedback: Feedback, run, needed: list[str]):
         return None
     silent = sorted(set(range(run.nproc)) - set(df["rank"]))
     if silent:
-        feedback.fail(f"rank(s) {silent} logged nothing: did they stop early?")
+        feedback.fail(f"{_on(silent, run.nproc)} logged nothing: did it stop early?")
         return None
     return df
 

@@ -119,7 +119,7 @@ def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedba
     feedback.expect(not missing, f"each of the {depth} blocks is an FSDP unit of its own",
                     "no block is an FSDP unit of its own: call fully_shard(block) for each block in "
                     "model.blocks, before the root." if len(missing) == depth else
-                    f"block(s) {missing} are not FSDP units of their own: call fully_shard(block) for each "
+                    f"block(s) {', '.join(map(str, missing))} are not FSDP units of their own: call fully_shard(block) for each "
                     f"block in model.blocks, before the root.", hint=1)
     feedback.expect(root, "the model itself is an FSDP unit too: the root, which shards the stem and the head",
                     "the model itself is not an FSDP unit, so the stem and the head stay whole on every rank "
