@@ -97,6 +97,29 @@ def test_executes_in_smoke_mode(path, notebook_copy):
         assert images, f"{path.name} launched runs but kept no chart image"
 
 
+MULTI_RANK = [p for p in NOTEBOOKS if p.name[:2] >= "02"]
+
+
+@pytest.mark.parametrize("path", MULTI_RANK, ids=lambda p: p.stem)
+def test_multi_rank_launches_fall_back_to_cpu_ranks_below_two_gpus(path):
+    """With one GPU, default_nproc() is 1: a lesson that launched 2 ranks on it would ask NCCL
+    for a second GPU (lesson 02's sweep did). Every launch at NPROC takes the lesson's DEVICE,
+    which is 'cpu' below 2 GPUs. Read from the code, since no test machine has exactly one GPU."""
+    import ast
+
+    code = "\n".join(_source(c) for c in _cells(path)
+                     if c["cell_type"] == "code" and not _source(c).startswith("%%"))
+    assert 'DEVICE = "auto" if GPUS >= 2 else "cpu"' in code
+    calls = [node for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Call)
+             and ast.unparse(node.func) in ("labkit.launch", "labkit.sweep")]
+    at_nproc = [c for c in calls if any(k.arg in ("nproc", "nprocs") and "1" != ast.unparse(k.value)
+                                        for k in c.keywords)]
+    assert at_nproc, f"{path.name} launches nothing on several ranks"
+    for call in at_nproc:
+        device = {k.arg: ast.unparse(k.value) for k in call.keywords}.get("device")
+        assert device == "DEVICE", f"{path.name}: {ast.unparse(call)[:120]} has device={device}"
+
+
 def test_lessons_03_and_04_keep_their_names():
     """README's lesson table and the exercises point at these exact files."""
     assert {"03_syncbn.ipynb", "04_accumulation.ipynb"} <= {p.name for p in NOTEBOOKS}
