@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -49,11 +50,40 @@ def write_script(workdir):
     return write
 
 
-def entry_processes() -> list[str]:
-    """Command lines of labkit rank processes still running on this machine."""
+def entry_processes(under: Path | None = None) -> list[str]:
+    """Command lines of labkit rank processes still running on this machine.
+
+    ``under``: only those whose working folder lies there (this test session's temporary
+    folder), so that a notebook a developer runs beside the tests does not count.
+    """
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines()
-            if "labkit._entry" in line and "ps -eo" not in line]
+    found = []
+    for line in out.splitlines():
+        if "labkit._entry" not in line or "ps -eo" in line:
+            continue
+        if under is not None:
+            try:
+                cwd = Path(os.readlink(f"/proc/{line.split()[0]}/cwd"))
+            except OSError:  # gone already, or no /proc (macOS): count it only without `under`
+                continue
+            if not cwd.is_relative_to(under):
+                continue
+        found.append(line)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_rank_outlives_the_test(request, tmp_path_factory):
+    """After every test, no rank process that a test started is left running (10 s of grace:
+    the reliability bar is seconds). Scoped to this session's temporary folder."""
+    yield
+    if not any(request.node.get_closest_marker(m) for m in ("launch", "notebook")):
+        return
+    base = tmp_path_factory.getbasetemp().resolve()
+    deadline = time.monotonic() + 10
+    while (left := entry_processes(base)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, "rank processes outlived the test:\n" + "\n".join(left)
 
 
 def python(code: str, **kwargs) -> subprocess.Popen:
@@ -72,20 +102,26 @@ def copy_folder(name: str, dest: Path) -> Path:
     return target
 
 
+# Wall time of each notebook execute() ran, printed at the end of the session.
+TIMINGS: dict[str, float] = {}
+
+
 def execute(notebook: Path, *, timeout: int = 300) -> list[dict]:
     """Execute ``notebook`` in place with nbmake in smoke mode; return its executed cells.
 
     Fails the test with the end of nbmake's report if a cell raised, and names any code
     cell that never ran. MPLBACKEND is unset
-    so that charts are kept as images, as in JupyterLab.
+    so that charts are kept as images, as in JupyterLab. The wall time goes to TIMINGS.
     """
     env = dict(os.environ, LABKIT_SMOKE="1")
     env.pop("MPLBACKEND", None)
+    start = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake",
          "--overwrite", f"--nbmake-timeout={timeout}", str(notebook)],
         cwd=notebook.parent, env=env, capture_output=True, text=True, timeout=3 * timeout,
     )
+    TIMINGS[f"{notebook.parent.name}/{notebook.name}"] = time.monotonic() - start
     assert result.returncode == 0, f"nbmake failed on {notebook.name}:\n{result.stdout[-6000:]}"
     cells = json.loads(notebook.read_text())["cells"]
     # An IPython UsageError (e.g. an empty %%writefile cell) goes to stderr and stops the
@@ -94,3 +130,12 @@ def execute(notebook: Path, *, timeout: int = 300) -> list[dict]:
                  if cell["cell_type"] == "code" and cell.get("execution_count") is None]
     assert not never_ran, f"{notebook.name}: code cells {never_ran} never ran"
     return cells
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print how long each notebook took, so that the one-minute bar is seen on every run."""
+    if not TIMINGS:
+        return
+    terminalreporter.section("notebooks in smoke mode: wall time (nbmake, kernel start included)")
+    for name, seconds in sorted(TIMINGS.items()):
+        terminalreporter.write_line(f"{seconds:6.1f} s  {name}")

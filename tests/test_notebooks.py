@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import copy_folder, execute
+from conftest import TIMINGS, copy_folder, execute
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 WRITEFILE = re.compile(r"^%%writefile\s+(\S+)\s*\n")
+LESSON_BAR_S = 60   # quality.md: each lesson runs in smoke mode in under a minute on 2 CPU cores
+SLACK = 1.5         # CI's shared cores are noisy: fail at 1.5x the bar; the summary prints each time
 
 
 def _cells(path: Path) -> list[dict]:
@@ -80,7 +82,11 @@ def notebook_copy(tmp_path_factory):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_executes_in_smoke_mode(path, notebook_copy):
     launched = images = 0
-    for cell in execute(notebook_copy / path.name):
+    cells = execute(notebook_copy / path.name)
+    seconds = TIMINGS[f"{notebook_copy.name}/{path.name}"]
+    assert seconds < LESSON_BAR_S * SLACK, (
+        f"{path.name} took {seconds:.0f} s in smoke mode; the bar is {LESSON_BAR_S} s on 2 CPU cores")
+    for cell in cells:
         if cell["cell_type"] != "code":
             continue
         outputs = cell.get("outputs", [])
@@ -97,13 +103,13 @@ def test_executes_in_smoke_mode(path, notebook_copy):
         assert images, f"{path.name} launched runs but kept no chart image"
 
 
-MULTI_RANK = [p for p in NOTEBOOKS if p.name[:2] >= "02"]
+MULTI_RANK = [p for p in NOTEBOOKS if not p.name.startswith("01")]   # 01 is the one-device lesson
 
 
 @pytest.mark.parametrize("path", MULTI_RANK, ids=lambda p: p.stem)
 def test_multi_rank_launches_fall_back_to_cpu_ranks_below_two_gpus(path):
     """With one GPU, default_nproc() is 1: a lesson that launched 2 ranks on it would ask NCCL
-    for a second GPU (lesson 02's sweep did). Every launch at NPROC takes the lesson's DEVICE,
+    for a second GPU (lesson 02's sweep did), and lesson 00's failing rank 1 would not exist. Every launch at NPROC takes the lesson's DEVICE,
     which is 'cpu' below 2 GPUs. Read from the code, since no test machine has exactly one GPU."""
     import ast
 
