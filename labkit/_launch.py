@@ -15,7 +15,7 @@ from pathlib import Path
 from labkit import _hardware, _proc, _supervise
 from labkit._errors import LaunchError, LaunchTimeout
 from labkit._live import LiveView
-from labkit._plan import Plan, plan
+from labkit._plan import Plan, check_env, plan, refuse_keywords
 from labkit._run import Run
 
 _POLL_S = 0.05
@@ -91,8 +91,7 @@ def rank_env(p: Plan, run_dir: Path, extra: dict | None) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = ""
     if env.get("MPLBACKEND", "").startswith("module://"):
         del env["MPLBACKEND"]  # the kernel's inline backend means nothing to a rank
-    for key, value in (extra or {}).items():
-        env[str(key)] = str(value)
+    env.update(extra or {})  # checked at the door: str to str
     return env
 
 
@@ -116,6 +115,8 @@ def _git_commit() -> str | None:
 
 
 # -- launch ------------------------------------------------------------------------------
+@refuse_keywords(nprocs="launch() takes nproc=<int> (one launch); for several world sizes use "
+                        "labkit.sweep(script, nprocs=[1, 2, ...]).")
 def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="auto",
            name=None, threads_per_rank=None, env=None, runs_dir="runs", quiet=False) -> Run:
     """Run ``script`` on ``nproc`` ranks with torchrun; stream every rank's output here.
@@ -124,12 +125,13 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
         script: path to the script, relative to the notebook's folder.
         nproc: ranks (default: every visible GPU, else 2 CPU ranks; 2 at most in smoke mode).
         args: the script's command-line arguments, a list of strings.
-        timeout: seconds before the run is stopped (None: no limit).
+        timeout: seconds before the run is stopped (None: no limit; NaN and infinity are refused).
         max_restarts: how many times torchrun restarts the workers after a failure.
         device: "auto" (GPUs when present, else CPU) or "cpu" (hide the GPUs).
         name: the run's label in charts and in its folder name.
         threads_per_rank: OMP_NUM_THREADS of each rank (default: CPU cores // nproc).
         env: extra environment variables for the ranks, e.g. {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}.
+            Values are strings (a number is written as one); None is refused, not taken as "unset".
         runs_dir: where run folders go.
         quiet: do not print rank output or draw the live chart (sweeps use it).
 
@@ -138,7 +140,8 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
 
     Raises:
         FileNotFoundError, ScriptError, ValueError, TypeError, PermissionError:
-            bad input, before anything is launched.
+            bad input, before anything is launched: a missing script, one that is not a .py
+            file or does not compile, a bad nproc (more than 4 CPU ranks per core, too), ...
         LaunchError: a rank failed (root cause first, with its traceback).
         LaunchTimeout: the run passed ``timeout``; says where each rank was.
         KeyboardInterrupt: you interrupted it; every rank has been stopped.
@@ -149,8 +152,7 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
     """
     p = plan(script, nproc=nproc, args=args, timeout=timeout, max_restarts=max_restarts,
              device=device, threads_per_rank=threads_per_rank)
-    if env is not None and not isinstance(env, dict):
-        raise TypeError(f"env must be a dict of strings, got {type(env).__name__}")
+    env = check_env(env)
     name = safe_name(name, p.script, p.nproc)
     run_dir = make_run_dir(runs_dir, name)
     run_id = uuid.uuid4().hex[:12]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +14,10 @@ from labkit import _hardware
 from labkit._errors import ScriptError
 
 _DEVICES = ("auto", "cpu")
+#: CPU ranks per core above which a launch is refused: each rank starts its own Python and
+#: torch, so far more ranks than cores spend the timeout starting up and then flood the cell.
+MAX_RANKS_PER_CORE = 4
+_WRITEFILE = re.compile(r"^%%writefile\s+(?:-a\s+)?(\S+)")
 
 
 @dataclass(frozen=True)
@@ -27,7 +35,8 @@ class Plan:
 
 # -- checks at the door -------------------------------------------------------------
 def check_script(script) -> str:
-    """The script's path if it exists and compiles; FileNotFoundError or ScriptError if not."""
+    """The script's path if it is a .py file that compiles; FileNotFoundError, ValueError or
+    ScriptError if not."""
     if not isinstance(script, (str, os.PathLike)):
         raise TypeError(f"script must be a path like 'scripts/02_ddp.py', got {type(script).__name__}")
     path = Path(script)
@@ -37,17 +46,51 @@ def check_script(script) -> str:
             f"script {os.fspath(script)!r} {where} (looked in {Path.cwd()}). "
             f"HINT: paths are relative to the notebook's folder; run the %%writefile cell first."
         )
+    if path.suffix == ".ipynb":
+        written = _written_scripts(path)
+        example = f", e.g. {written[0]}" if written else ""
+        raise ValueError(
+            f"{os.fspath(path)} is a notebook, not a script: torchrun runs Python scripts. "
+            f"HINT: launch the script its %%writefile cell writes{example}."
+        )
+    if path.suffix != ".py":
+        raise ValueError(
+            f"{os.fspath(path)} is not a Python script (.py): labkit launches .py files only. "
+            f"HINT: pass the path of the script, e.g. 'scripts/02_ddp.py'."
+        )
     source = path.read_bytes()
+    if b"\0" in source:
+        raise ScriptError(
+            f"{os.fspath(path)} is not Python source: it contains null bytes.\n"
+            f"HINT: a binary file, or text saved as UTF-16? Save it as UTF-8 text "
+            f"(nothing was launched)."
+        )
     try:
         compile(source, os.fspath(path), "exec")
     except SyntaxError as err:
         line = (err.text or "").rstrip()
         pointer = f"\n    {line}" if line else ""
+        where = f", line {err.lineno}" if err.lineno else ""
         raise ScriptError(
-            f"{os.fspath(path)}, line {err.lineno}: {err.msg}{pointer}\n"
+            f"{os.fspath(path)}{where}: {err.msg}{pointer}\n"
             f"HINT: fix the script (nothing was launched)."
         ) from None
     return os.fspath(path)
+
+
+def _written_scripts(notebook: Path) -> list[str]:
+    """The .py files that a notebook's %%writefile cells write, as paths from here."""
+    try:
+        cells = json.loads(notebook.read_text(encoding="utf-8")).get("cells", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    found = []
+    for cell in cells:
+        source = cell.get("source", "") if isinstance(cell, dict) else ""
+        match = _WRITEFILE.match("".join(source) if isinstance(source, list) else source)
+        if match and match.group(1).endswith(".py"):
+            found.append(os.path.join(os.path.dirname(os.fspath(notebook)), match.group(1)))
+    return found
 
 
 def _check_int(name: str, value, minimum: int) -> int:
@@ -81,6 +124,14 @@ def default_nproc(device: str = "auto") -> int:
 
 def check_nproc(nproc, device: str) -> int:
     _check_int("nproc", nproc, 1)
+    cores = _hardware.cpu_count()
+    if device == "cpu" and nproc > MAX_RANKS_PER_CORE * cores:
+        raise ValueError(
+            f"nproc={nproc} CPU ranks on {cores} core(s) is too many: labkit launches at most "
+            f"{MAX_RANKS_PER_CORE} CPU ranks per core ({MAX_RANKS_PER_CORE * cores} here). Each rank "
+            f"starts its own Python and torch, so the run would spend its time starting up. "
+            f"HINT: nproc={cores} or fewer; ranks beyond {cores} share cores, so they add no speed."
+        )
     if device == "cuda":
         available = _hardware.gpu_count()
         if nproc > available:
@@ -105,14 +156,61 @@ def check_args(args) -> tuple:
     return tuple(out)
 
 
+def check_timeout(timeout) -> float | None:
+    """A positive, finite number of seconds, or None (no limit)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if math.isinf(timeout):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}. "
+                         f"HINT: timeout=None means no limit.")
+    return timeout
+
+
+def check_env(env) -> dict:
+    """Extra environment variables for the ranks: names and values are strings (a number is
+    written as one). None is refused rather than guessed at: it is not "unset"."""
+    if env is None:
+        return {}
+    if not isinstance(env, dict):
+        raise TypeError(f"env must be a dict of strings, e.g. {{'NCCL_DEBUG': 'INFO'}}, "
+                        f"got {type(env).__name__}")
+    out = {}
+    for key, value in env.items():
+        if not isinstance(key, str) or not key or "=" in key:
+            raise ValueError(f"env names must be non-empty strings without '=', got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise TypeError(
+                f"env[{key!r}] must be a string, got {value!r}. HINT: ranks get text; leave {key} "
+                f"out to keep the kernel's own value, or pass '' for an empty one."
+            )
+        out[key] = str(value)
+    return out
+
+
+def refuse_keywords(**messages):
+    """Decorator: a call that passes one of these keywords gets a TypeError with its message
+    (a "did you mean") instead of Python's bare "unexpected keyword argument". The function's
+    own signature is unchanged (``inspect.signature`` follows ``__wrapped__``)."""
+    def decorate(func):
+        @functools.wraps(func)
+        def checked(*args, **kwargs):
+            for key in messages:
+                if key in kwargs:
+                    raise TypeError(f"{func.__name__}() got an unexpected keyword argument "
+                                    f"{key!r}: {messages[key]}")
+            return func(*args, **kwargs)
+        return checked
+    return decorate
+
+
 def plan(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="auto",
          threads_per_rank=None) -> Plan:
     """Check every argument of a launch; raise before anything starts."""
     kind = resolve_device(device)
     nproc = default_nproc(device) if nproc is None else check_nproc(nproc, kind)
-    if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    timeout = check_timeout(timeout)
     _check_int("max_restarts", max_restarts, 0)
     if threads_per_rank is None:
         threads_per_rank = max(1, _hardware.cpu_count() // nproc)

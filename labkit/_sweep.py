@@ -10,7 +10,7 @@ from pathlib import Path
 from labkit import _hardware
 from labkit._errors import LabkitError
 from labkit._launch import launch, make_run_dir, safe_name
-from labkit._plan import check_nproc, plan, resolve_device
+from labkit._plan import check_nproc, plan, refuse_keywords, resolve_device
 from labkit._live import in_notebook
 from labkit._run import Run, new_folder
 
@@ -46,11 +46,18 @@ class Sweep:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Sweep":
-        """Reload a sweep from its folder (``sweep.json`` plus one folder per run)."""
+        """Reload a sweep from its folder (``sweep.json`` plus one folder per run).
+
+        Raises:
+            FileNotFoundError: ``path`` is not a sweep folder (no sweep.json in it).
+        """
         sweep_dir = Path(path)
         meta = sweep_dir / "sweep.json"
         if not meta.is_file():
-            raise FileNotFoundError(f"{sweep_dir} is not a sweep folder: it has no sweep.json.")
+            raise FileNotFoundError(
+                f"{sweep_dir} is not a sweep folder: it has no sweep.json. HINT: pass the folder "
+                f"that labkit.sweep printed (runs/<time>-sweep-<name>); a single run loads with "
+                f"labkit.Run.load.")
         info = json.loads(meta.read_text())
         return cls(sweep_dir, info, [Run.load(sweep_dir / d) for d in info["runs"]])
 
@@ -93,6 +100,8 @@ class Sweep:
         return f"Sweep({self.name!r}, nprocs={self.info['nprocs']}, runs={len(self.runs)}, '{self.sweep_dir}')"
 
 
+@refuse_keywords(nproc="sweep() takes nprocs=[...], the world sizes to compare, e.g. nprocs=[1, 2]; "
+                       "for one run use labkit.launch(script, nproc=2).")
 def sweep(script, *, nprocs, repeats=3, args=(), device="auto", threads_per_rank=None,
           timeout=600, name=None, runs_dir="runs") -> Sweep:
     """Launch ``script`` at each nproc in ``nprocs``, ``repeats`` times, for a speedup chart.
@@ -106,7 +115,8 @@ def sweep(script, *, nprocs, repeats=3, args=(), device="auto", threads_per_rank
         a Sweep; ``sweep.table()`` and ``labkit.plot_speedup(sweep)`` read it.
 
     Raises:
-        ValueError: empty ``nprocs``, a bad nproc, ``repeats < 1`` (before anything runs).
+        ValueError: empty ``nprocs``, a bad or repeated nproc, ``repeats < 1`` (before anything
+            runs).
         LaunchError: a run failed; its ``.sweep`` holds the runs that finished before it.
 
     Example (lesson 02)::
@@ -124,7 +134,8 @@ def sweep(script, *, nprocs, repeats=3, args=(), device="auto", threads_per_rank
     for n in nprocs:
         check_nproc(n, kind)
     if len(set(nprocs)) != len(nprocs):
-        raise ValueError(f"nprocs has duplicates: {nprocs}")
+        raise ValueError(f"nprocs has duplicates: {nprocs}. HINT: name each world size once; "
+                         f"repeats={repeats} already runs each of them {repeats} time(s).")
     nprocs = sorted(nprocs)
     if threads_per_rank is None:
         threads_per_rank = max(1, _hardware.cpu_count() // max(nprocs))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import signal
 import time
@@ -11,6 +12,7 @@ import pytest
 
 import labkit
 from labkit import LaunchError, LaunchTimeout, ScriptError, _hardware, _proc
+from labkit._plan import plan
 from conftest import python
 
 HELLO = """
@@ -88,8 +90,56 @@ def test_unknown_device(workdir, write_script):
 
 def test_unknown_option(workdir, write_script):
     write_script("ok.py", "print('hi')\n")
-    with pytest.raises(TypeError, match="unexpected keyword argument 'nprocs'"):
-        labkit.launch("ok.py", nprocs=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nproc_per_node'"):
+        labkit.launch("ok.py", nproc_per_node=2)
+
+
+def test_nproc_and_nprocs_mixed_up_say_which_function_takes_which(workdir, write_script):
+    write_script("ok.py", "print('hi')\n")
+    with pytest.raises(TypeError, match=r"launch\(\) takes nproc=<int> \(one launch\); for several "
+                                        r"world sizes use labkit.sweep\(script, nprocs="):
+        labkit.launch("ok.py", nprocs=[1, 2])
+    with pytest.raises(TypeError, match=r"sweep\(\) takes nprocs=\[...\].*for one run use "
+                                        r"labkit.launch\(script, nproc=2\)"):
+        labkit.sweep("ok.py", nproc=2)
+    assert no_run_started(workdir)
+    # the public signatures still show the real parameters
+    assert "nproc" in inspect.signature(labkit.launch).parameters
+    assert "nprocs" in inspect.signature(labkit.sweep).parameters
+
+
+def test_a_notebook_is_not_a_script(workdir):
+    (workdir / "00_setup.ipynb").write_text(json.dumps({"cells": [
+        {"cell_type": "markdown", "source": ["# 00"]},
+        {"cell_type": "code", "source": ["%%writefile scripts/00_hello.py\n", "print('hi')\n"]},
+    ]}))
+    with pytest.raises(ValueError, match=r"00_setup.ipynb is a notebook, not a script.*HINT: launch "
+                                         r"the script its %%writefile cell writes, e.g. scripts/00_hello.py"):
+        labkit.launch("00_setup.ipynb")
+    (workdir / "notes.txt").write_text("print('hi')\n")
+    with pytest.raises(ValueError, match=r"notes.txt is not a Python script \(.py\)"):
+        labkit.launch("notes.txt")
+    assert no_run_started(workdir)
+
+
+def test_a_script_with_null_bytes_is_not_python_source(workdir):
+    (workdir / "utf16.py").write_bytes("print('hi')\n".encode("utf-16"))
+    with pytest.raises(ScriptError, match=r"utf16.py is not Python source: it contains null bytes") as info:
+        labkit.launch("utf16.py")
+    assert "line None" not in str(info.value)
+    assert no_run_started(workdir)
+
+
+def test_far_more_cpu_ranks_than_cores_is_refused(workdir, write_script, monkeypatch):
+    write_script("ok.py", "print('hi')\n")
+    monkeypatch.setattr(_hardware, "cpu_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"nproc=64 CPU ranks on 2 core\(s\) is too many: labkit "
+                                         r"launches at most 4 CPU ranks per core \(8 here\).*HINT: nproc=2"):
+        labkit.launch("ok.py", nproc=64, device="cpu")
+    with pytest.raises(ValueError, match="nproc=9 CPU ranks"):
+        labkit.sweep("ok.py", nprocs=[1, 9], device="cpu")
+    assert no_run_started(workdir)
+    assert plan("ok.py", nproc=8, device="cpu").nproc == 8  # milder oversubscription: a note only
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -97,10 +147,16 @@ def test_unknown_option(workdir, write_script):
     ({"args": [["--epochs"]]}, "args must hold strings"),
     ({"timeout": 0}, "timeout must be a positive number"),
     ({"timeout": "10"}, "timeout must be a positive number"),
+    ({"timeout": float("nan")}, "timeout must be a positive number of seconds or None, got nan"),
+    ({"timeout": -5}, "timeout must be a positive number"),
+    ({"timeout": float("inf")}, r"got inf. HINT: timeout=None means no limit"),
     ({"max_restarts": -1}, "max_restarts must be >= 0"),
     ({"threads_per_rank": 0}, "threads_per_rank must be >= 1"),
     ({"name": "  "}, "name must be a non-empty string"),
     ({"env": ["A=1"]}, "env must be a dict"),
+    ({"env": {"NCCL_DEBUG": None}}, r"env\['NCCL_DEBUG'\] must be a string, got None. HINT: ranks get text"),
+    ({"env": {"X": True}}, r"env\['X'\] must be a string, got True"),
+    ({"env": {"A=B": "1"}}, "env names must be non-empty strings without '='"),
 ])
 def test_bad_arguments(workdir, write_script, kwargs, match):
     write_script("ok.py", "print('hi')\n")
@@ -114,6 +170,14 @@ def test_unwritable_run_folder(workdir, write_script):
     (workdir / "a_file").write_text("")
     with pytest.raises(PermissionError, match=r"cannot write run folders under .*HINT: pass runs_dir="):
         labkit.launch("ok.py", runs_dir="a_file/runs")
+
+
+def test_sweep_with_duplicate_world_sizes(workdir, write_script):
+    write_script("ok.py", "print('hi')\n")
+    with pytest.raises(ValueError, match=r"nprocs has duplicates: \[1, 2, 1\]. HINT: name each "
+                                         r"world size once; repeats=3 already runs each"):
+        labkit.sweep("ok.py", nprocs=[1, 2, 1], device="cpu")
+    assert no_run_started(workdir)
 
 
 def test_sweep_with_an_empty_list(workdir, write_script):
