@@ -201,6 +201,7 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
             live.update()
             if deadline is not None and time.monotonic() > deadline:
                 status = "timeout"
+                streams.hold(p.script)  # the cell shows a few lines of each rank's stack dump
                 marks = _supervise.request_stacks(run_dir, streams)
                 time.sleep(1.0)  # let faulthandler write the stacks
                 streams.poll()

@@ -26,6 +26,9 @@ _GLOG_RE = re.compile(r"^([IWEF])\d{4} [\d:.]+ +\d+ \S+:\d+\] (.*)$")
 _GLOG_LEVEL = {"I": "", "W": "warning: ", "E": "error: ", "F": "fatal: "}
 _TORCHRUN_NOISE = ("no error file defined for parent",)
 _THREAD_RE = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*most recent call first")
+#: Lines of each rank's stack dump that a timeout shows in the cell; the whole dump stays in
+#: the rank's log (64 ranks of ~60 lines each used to flood the notebook).
+DUMP_LINES = 12
 
 
 class Streams:
@@ -45,6 +48,8 @@ class Streams:
         self._torchrun_quiet = False
         self._attempts: set[int] = {0}
         self.recent: dict[int, deque] = {}
+        self._held: dict[int, list[str]] | None = None
+        self._script = ""
 
     def _discover(self) -> None:
         pattern = os.path.join(self.run_dir, "torchrun", "*", "attempt_*", "*", "stdout.log")
@@ -78,9 +83,33 @@ class Streams:
         rest = self._torchrun.rest()
         if rest:
             self._torchrun_line(rest)
+        self._release()
+
+    def hold(self, script: str) -> None:
+        """Keep rank lines back from now on (a timeout is about to ask for stack dumps).
+
+        ``finish()`` then shows, for each rank, at most DUMP_LINES of them: the thread that
+        runs ``script``, down to its outermost frame in it, and says which log holds the rest.
+        """
+        self._held, self._script = {}, script
+
+    def _release(self) -> None:
+        held, self._held = self._held or {}, None
+        for rank, lines in sorted(held.items()):
+            shown = dump_excerpt(lines, self._script)
+            for line in shown:
+                self.emit(f"[rank{rank}] {line}")
+            hidden = sum(1 for line in lines if line.strip()) - sum(1 for line in shown if line.strip())
+            if hidden > 0:
+                where = self.log_size(rank)
+                self.emit(f"[rank{rank}] … {hidden} more line(s) of its stack dump are in "
+                          f"{where[0] if where else self.run_dir}")
 
     def _line(self, rank: int, line: str) -> None:
         self.recent.setdefault(rank, deque(maxlen=40)).append(line)
+        if self._held is not None:
+            self._held.setdefault(rank, []).append(line)
+            return
         self.emit(f"[rank{rank}] {line}")
 
     def _torchrun_line(self, line: str) -> None:
@@ -190,6 +219,32 @@ def parse_stack(text: str, script: str) -> str | None:
         if lines[0].startswith("Current thread"):
             break
     return best
+
+
+def dump_excerpt(lines: list[str], script: str, limit: int = DUMP_LINES) -> list[str]:
+    """The lines of a faulthandler dump worth showing: what came before it, then the thread
+    that runs ``script`` (the current thread if none does) down to its outermost frame in
+    ``script`` (runpy's and labkit's frames below it say nothing); at most ``limit`` lines."""
+    starts = [i for i, line in enumerate(lines) if _THREAD_RE.match(line.strip())]
+    if not starts:
+        return [line for line in lines if line.strip()][:limit]
+    before = [line for line in lines[:starts[0]] if line.strip()]
+    blocks = [lines[a:b] for a, b in zip(starts, starts[1:] + [len(lines)])]
+    script_abs = os.path.abspath(script)
+
+    def in_script(line: str) -> bool:
+        match = _FRAME_RE.match(line)
+        return bool(match) and os.path.abspath(match["file"]) == script_abs
+
+    def rank(block: list[str]) -> tuple[bool, bool]:  # False sorts first
+        return (not any(in_script(line) for line in block),
+                not block[0].strip().startswith("Current thread"))
+
+    block = min(blocks, key=rank)
+    last = max((i for i, line in enumerate(block) if in_script(line)), default=len(block) - 1)
+    chosen = [line for line in block[:last + 1] if line.strip()][:limit]
+    room = limit - len(chosen)
+    return (before[-room:] if room else []) + chosen
 
 
 def read_stacks(marks: dict[int, tuple[str, int]], script: str) -> dict[int, str]:

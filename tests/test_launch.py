@@ -269,7 +269,7 @@ def test_a_bad_script_option_shows_the_scripts_own_message(workdir, write_script
 
 
 @pytest.mark.launch
-def test_a_hang_becomes_a_timeout_that_says_where_each_rank_was(workdir, write_script):
+def test_a_hang_becomes_a_timeout_that_says_where_each_rank_was(workdir, write_script, capsys):
     write_script("hang.py", """
         import time, torch, torch.distributed as dist
         from labkit import metrics
@@ -290,6 +290,11 @@ def test_a_hang_becomes_a_timeout_that_says_where_each_rank_was(workdir, write_s
     assert err.stacks[0].startswith("hang.py:7 in <module>, inside all_reduce")
     assert err.stacks[1].startswith("hang.py:9 in <module>")
     assert "rank 0: last logged step 1; was at hang.py:7" in str(err)
+    # The cell shows each rank's script thread, not all of its threads; the log keeps the rest.
+    out = capsys.readouterr().out
+    assert 'File "hang.py", line 7 in <module>' in out and "_sigterm_watch" not in out
+    assert "more line(s) of its stack dump are in" in out
+    assert "_sigterm_watch" in err.run.output(0)
     assert all_gone(err.run.run_dir, timeout=5)
 
 
