@@ -215,8 +215,11 @@ def doctor(data_dir: str | os.PathLike | None = None, *, launch: bool = False) -
     if nccl and gpus:
         version = torch.cuda.nccl.version()  # reads the library version; no CUDA context
         nccl_text = "available, " + ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-    add(Check("NCCL", nccl_text, "ok" if nccl or not gpus else "warn",
-              "" if nccl or not gpus else "GPUs without NCCL: install a CUDA build of PyTorch"))
+    if not gpus:  # present or not, NCCL needs GPUs: on this machine it plays no part
+        add(Check("NCCL", f"{nccl_text} (NCCL needs GPUs: not used here)", "info"))
+    else:
+        add(Check("NCCL", nccl_text, "ok" if nccl else "warn",
+                  "" if nccl else "GPUs without NCCL: install a CUDA build of PyTorch"))
     add(Check("gloo", "available" if dist.is_gloo_available() else "missing",
               "ok" if dist.is_gloo_available() else "warn"))
     cores = _hardware.cpu_count()
@@ -226,8 +229,9 @@ def doctor(data_dir: str | os.PathLike | None = None, *, launch: bool = False) -
     report.backend = "nccl" if gpus else "gloo"
     report.nproc = default_nproc()
     smoke = " (smoke mode: LABKIT_SMOKE is set)" if _hardware.is_smoke() else ""
+    one_gpu = " (lessons that need several ranks run 2 CPU ranks with gloo instead)" if len(gpus) == 1 else ""
     add(Check("launches will use",
-              f"{report.nproc} rank(s) on {report.device.upper()}, backend {report.backend}{smoke}"))
+              f"{report.nproc} rank(s) on {report.device.upper()}, backend {report.backend}{smoke}{one_gpu}"))
     found = [d for d in _data_dirs(data_dir) if cifar10_on_disk(d)]
     report.dataset = "CIFAR-10" if found else "synthetic"
     if found:

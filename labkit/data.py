@@ -185,12 +185,16 @@ def get_datasets(data_dir: str | os.PathLike = "data", *, synthetic: bool = Fals
         test = _first(CIFAR10(str(root), train=False, transform=T.Compose(normalize)),
                       test_size, seed)
         return _noted(DataSets(train, test, "CIFAR-10",
-                               f"data: CIFAR-10 from {root} ({len(train)} train / {len(test)} test images)"))
+                               f"data: CIFAR-10 from {root} ({_sizes(train, test)})"))
     train = SyntheticCIFAR(train_size or 10_000, seed=seed, split="train")
     test = SyntheticCIFAR(test_size or 2_000, seed=seed, split="test")
     return _noted(DataSets(train, test, "synthetic",
-                           f"data: synthetic CIFAR-like set, seed {seed} ({len(train)} train / "
-                           f"{len(test)} test images), because {reason}"))
+                           f"data: synthetic CIFAR-like set, seed {seed} ({_sizes(train, test)}), "
+                           f"because {reason}"))
+
+
+def _sizes(train, test) -> str:
+    return f"{len(train)} train / {len(test)} test image{'' if len(test) == 1 else 's'}"
 
 
 #: The file in a run folder that says which data the run trained on (``Run.data``).
@@ -206,7 +210,8 @@ def _noted(sets: DataSets) -> DataSets:
     if run_dir and os.environ.get("RANK", "0") == "0":
         try:
             Path(run_dir, DATA_FILE).write_text(
-                json.dumps({"source": sets.source, "description": sets.description}) + "\n")
+                json.dumps({"source": sets.source, "description": sets.description,
+                            "train_size": len(sets.train), "test_size": len(sets.test)}) + "\n")
         except OSError:  # the run folder is the launcher's; never fail training over a note
             pass
     return sets

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn.functional as F
 
@@ -62,6 +64,8 @@ def test_under_a_launch_rank_0_notes_the_data_in_the_run_folder(tmp_path, monkey
     get_datasets(tmp_path, synthetic=True, train_size=8, test_size=8)
     assert Run.load(run_dir).data is None, "only rank 0 writes the note"
     monkeypatch.setenv("RANK", "0")
-    get_datasets(tmp_path, download=False, train_size=8, test_size=8)
+    get_datasets(tmp_path, download=False, train_size=8, test_size=5)
     assert Run.load(run_dir).data == "synthetic"
-    assert "download=False" in (run_dir / "data.json").read_text()
+    note = json.loads((run_dir / "data.json").read_text())
+    assert "download=False" in note["description"] and "5 test images" in note["description"]
+    assert (note["train_size"], note["test_size"]) == (8, 5), "lesson 01 reads the test-set size here"

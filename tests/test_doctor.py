@@ -19,6 +19,7 @@ def test_report_on_a_machine_without_gpus(monkeypatch, tmp_path):
     assert report.dataset == "synthetic"
     assert report["gloo"].value == "available"
     assert report["launches will use"].value == "2 rank(s) on CPU, backend gloo"
+    assert report["NCCL"].status == "info" and "not used here" in report["NCCL"].value
     assert "CIFAR-10 not on disk" in report["data"].value
     html = report._repr_html_()
     assert "<table>" in html and "PyTorch" in html
@@ -36,6 +37,22 @@ def test_smoke_mode_is_visible(monkeypatch, tmp_path):
     assert "smoke mode" in labkit.doctor(data_dir=tmp_path)["launches will use"].value
 
 
+def test_one_gpu_says_that_multi_rank_lessons_use_cpu_ranks(monkeypatch, tmp_path):
+    from labkit import _doctor
+
+    monkeypatch.setattr(_hardware, "gpus", lambda: [_hardware.Gpu(0, "Fake", 16384)])
+    monkeypatch.setattr(_doctor, "_driver_cuda", lambda: None)
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)  # no version query on a CPU build
+    monkeypatch.delenv("LABKIT_SMOKE", raising=False)
+    report = labkit.doctor(data_dir=tmp_path)
+    assert report.device == "cuda" and report.nproc == 1
+    assert "2 CPU ranks" in report["launches will use"].value
+    assert report["NCCL"].status == "warn", "a GPU without NCCL is worth a warning"
+
+
+@pytest.mark.gpu  # on a CPU-only build CUDA can never be initialised: only a GPU box can fail this
 def test_doctor_never_initialises_cuda():
     code = ("import labkit, torch; labkit.doctor(); "
             "print(torch.cuda.is_initialized())")

@@ -37,7 +37,11 @@ def test_there_are_lessons():
     assert [p.name[:2] for p in NOTEBOOKS][:3] == ["00", "01", "02"]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+STORED = NOTEBOOKS + [p for folder in ("exercises", "solutions")   # solutions/: absent from a hand-out
+                     for p in sorted((ROOT / folder).glob("[0-9][0-9]_*.ipynb"))]
+
+
+@pytest.mark.parametrize("path", STORED, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_stored_clean(path):
     nb = json.loads(path.read_text())
     assert nb["metadata"]["kernelspec"]["name"] == "python3"
