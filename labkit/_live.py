@@ -68,28 +68,38 @@ class LiveView:
                 parts.append(f"loss {last['loss']:.4f}")
         return " · ".join(parts)
 
-    def _render(self, title: str) -> bytes | None:
-        losses = [r for r in self._records if isinstance(r.get("loss"), (int, float))]
-        if not losses:
+    def _figure(self, title: str):
+        """The loss of every rank so far, restarts marked where each attempt resumed; None
+        before any loss. Every record goes to ``metric_curve``, not only those with a loss:
+        a line such as ``resumed_from`` is what places a restart's marker (as in plot_loss)."""
+        if not any(isinstance(r.get("loss"), (int, float)) for r in self._records):
             return None
         import pandas as pd
         from matplotlib.figure import Figure
 
         from labkit._plots import draw_curve, metric_curve
 
-        df = pd.DataFrame.from_records(losses)
+        df = pd.DataFrame.from_records(self._records)
+        df["loss"] = pd.to_numeric(df["loss"], errors="coerce")
+        ranks = sorted(df.loc[df["loss"].notna(), "rank"].unique())
         fig = Figure(figsize=(7, 3.4), dpi=90)
         ax = fig.subplots()
-        for rank, part in df.groupby("rank"):
-            curve = metric_curve(part, x="step", y="loss")
-            draw_curve(ax, curve, label=f"rank {rank}", mark_restarts=rank == df["rank"].min())
+        for rank in ranks:
+            curve = metric_curve(df[df["rank"] == rank], x="step", y="loss")
+            draw_curve(ax, curve, label=f"rank {rank}", mark_restarts=rank == ranks[0])
         ax.set_xlabel("optimiser step")
-        ax.set_ylabel("loss (each rank's own batches)" if df["rank"].nunique() > 1 else "loss")
+        ax.set_ylabel("loss (each rank's own batches)" if len(ranks) > 1 else "loss")
         ax.grid(alpha=0.3)
-        if df["rank"].nunique() > 1:
-            ax.legend(fontsize=8, ncol=min(4, df["rank"].nunique()))
+        if len(ranks) > 1:
+            ax.legend(fontsize=8, ncol=min(4, len(ranks)))
         ax.set_title(title, fontsize=10)
         fig.tight_layout()
+        return fig
+
+    def _render(self, title: str) -> bytes | None:
+        fig = self._figure(title)
+        if fig is None:
+            return None
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
         return buf.getvalue()
