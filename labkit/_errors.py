@@ -15,6 +15,7 @@ FileNotFoundError, before anything is launched.
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import dataclass
 
 __all__ = [
@@ -34,6 +35,18 @@ _SECONDARY_PATTERNS = re.compile(
     r"DistStoreError|TCPStore|Timed out waiting",
     re.IGNORECASE,
 )
+
+
+# What gloo and NCCL say when the ranks' collectives do not line up.
+_MISMATCH_PATTERNS = re.compile(
+    r"collective mismatch|mismatch between collectives|mismatched collectives|"
+    r"data size doesn't match expected size",
+    re.IGNORECASE,
+)
+
+MISMATCH_ADVICE = ("every rank must call the same collectives in the same order, with tensors of "
+                   "the same size: look for a collective inside `if rank == 0:` (or any branch "
+                   "that only some ranks take).")
 
 
 class LabkitError(Exception):
@@ -77,6 +90,19 @@ class RankFailure:
         """True if ``message`` is what a rank says when a *peer* disappeared."""
         return bool(_SECONDARY_PATTERNS.search(message))
 
+    @property
+    def says_mismatch(self) -> bool:
+        """True if the rank's error or last output says the ranks' collectives did not match."""
+        return bool(_MISMATCH_PATTERNS.search(
+            "\n".join((self.message, self.traceback, self.output_tail))))
+
+    def last_line(self, limit: int = 200) -> str:
+        """The last line the rank printed (its end, when long), "" if none."""
+        lines = [line.strip() for line in self.output_tail.splitlines() if line.strip()]
+        if not lines:
+            return ""
+        return lines[-1] if len(lines[-1]) <= limit else "…" + lines[-1][-(limit - 1):]
+
     def headline(self, limit: int = 300) -> str:
         what = f"{self.exc_type}: {self.message}" if self.exc_type else self.message
         if len(what) > limit:
@@ -88,6 +114,82 @@ class RankFailure:
 def _tail(text: str, lines: int) -> str:
     kept = text.rstrip("\n").splitlines()[-lines:]
     return "\n".join("    " + line for line in kept)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 1' or 'ranks 1, 2 and 3'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+def _same_error(a: RankFailure, b: RankFailure) -> bool:
+    return bool(a.exc_type) and (a.exc_type, a.message) == (b.exc_type, b.message)
+
+
+def failure_hint(failures) -> str:
+    """The HINT of a LaunchError: what the root cause's kind of failure usually means.
+
+    A collective mismatch that a rank's output names comes first, whichever rank said it;
+    then a Python exception (its traceback), then a signal (which one says most) or an
+    exit code without an exception.
+    """
+    failures = list(failures)
+    if not failures:
+        return ""
+    first, others = failures[0], failures[1:]
+    mismatch = next((f for f in failures if f.says_mismatch), None)
+    if mismatch is not None:
+        return f"rank {mismatch.rank}'s output says the ranks' collectives did not match: {MISMATCH_ADVICE}"
+    if first.exc_type == "SystemExit":
+        return "the script exited on purpose; its last output (above) says why."
+    if first.exc_type and others and all(_same_error(first, o) for o in others):
+        return (f"every rank that failed raised the same error, so its cause is in code they all run: "
+                f"read rank {first.rank}'s traceback above. A rank's whole output: err.run.output(rank).")
+    if first.exc_type and first.secondary:  # sorted first, so every failure is a lost peer
+        return (f"rank {first.rank} lost its connection to a peer, but no rank reported an error of "
+                f"its own: a peer most likely finished, or left early, while rank {first.rank} still "
+                f"waited in a collective. {MISMATCH_ADVICE[0].upper()}{MISMATCH_ADVICE[1:]}")
+    if first.exc_type:
+        if not others:
+            also = ""
+        elif all(o.secondary for o in others):
+            also = "; the other ranks stopped because it went away"
+        else:
+            also = "; other ranks failed on their own too (the 'also:' lines)"
+        return (f"read rank {first.rank}'s traceback above: it is the root cause{also}. "
+                f"A rank's whole output: err.run.output(rank).")
+    code = first.exit_code
+    if code is None or code >= 0:
+        return (f"rank {first.rank} exited with code {code} without a Python exception: its last "
+                f"lines (above) say why.")
+    sig = -code
+    if sig == getattr(signal, "SIGKILL", None):
+        return (f"rank {first.rank} was killed by SIGKILL, most often by the out-of-memory killer: "
+                f"too many ranks, or too large a batch or model, for this machine's memory "
+                f"(`dmesg` says), unless someone stopped it.")
+    if sig == getattr(signal, "SIGABRT", None):
+        return (f"rank {first.rank} was aborted (SIGABRT) by PyTorch's C++ runtime, not by a Python "
+                f"exception: its last lines (above) say why.")
+    if sig in (getattr(signal, "SIGSEGV", None), getattr(signal, "SIGBUS", None)):
+        return (f"rank {first.rank} crashed inside native code (a C++ extension, a library): its "
+                f"last lines (above) may say where; err.run.output({first.rank}) has them all.")
+    if sig in (signal.SIGTERM, signal.SIGINT):
+        return f"rank {first.rank} was stopped from outside (torchrun, or someone else)."
+    return (f"rank {first.rank} was killed by a signal: its last lines (above) may say why; "
+            f"otherwise it was stopped from outside.")
+
+
+def timeout_hint(stacks: dict) -> str:
+    """The HINT of a LaunchTimeout, from where each rank was (``{rank: "x.py:7 in f, inside
+    all_reduce (...)"}``): ranks waiting in different collectives get the mismatch advice."""
+    waiting = {rank: where for rank, where in stacks.items() if ", inside " in where}
+    if len(set(waiting.values())) > 1:
+        places = "; ".join(f"rank {rank} at {where.split(' (')[0]}"
+                           for rank, where in sorted(waiting.items()))
+        return f"the ranks wait in different places ({places}): {MISMATCH_ADVICE}"
+    return ("a rank that logged fewer steps than the others, or waits in a collective the "
+            "others never reach, is the one to read first.")
 
 
 class LaunchError(LabkitError):
@@ -121,7 +223,13 @@ class LaunchError(LabkitError):
                 parts.append(_tail(first.traceback, 12))
             elif first.output_tail:
                 parts.append("  its last output:\n" + _tail(first.output_tail, 8))
-            for other in self.failures[1:]:
+            others = self.failures[1:]
+            same = [o.rank for o in others if _same_error(o, first)]
+            if same:
+                parts.append(f"also: {_ranks(sorted(same))} failed with the same error")
+            for other in others:
+                if other.rank in same:
+                    continue
                 why = " (most likely because a peer went away)" if other.secondary else ""
                 parts.append(f"also: {other.headline()}{why}")
         if self.run is not None:

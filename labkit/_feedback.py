@@ -129,6 +129,10 @@ def _where(failure, script: str) -> str:
     return f" ({script}, line {found[-1]['line']})" if found else ""
 
 
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def _stopped(feedback: Feedback):
     """(feedback, None) for a launch that did not succeed: nothing of the run can be checked."""
     feedback.stopped = True
@@ -141,7 +145,9 @@ def attempt(exercise: str, target, **launch_options):
     Returns ``(feedback, run)``. ``run`` is None when the launch did not succeed; the
     feedback then already says why, in words: a target that is not a script, a TODO not
     done yet, a syntax error, a rank's exception (its traceback is in the output above; the
-    root cause is kept in ``feedback.failure``), a hang.
+    root cause is kept in ``feedback.failure``), a rank killed by a signal or left without
+    its peers (with its last output and what that usually means, e.g. a collective that
+    only some ranks call), a hang (where each rank waited).
     """
     from labkit._launch import launch
     from labkit._run import Run
@@ -176,9 +182,8 @@ def attempt(exercise: str, target, **launch_options):
         return _stopped(feedback)
     except LaunchTimeout as err:
         where = "; ".join(f"rank {r} at {s}" for r, s in sorted(err.stacks.items()))
-        feedback.fail(f"the run did not finish within {launch_options.get('timeout')} s"
-                      + (f": {where}" if where else "") + ". A rank waits in a collective "
-                      "the others never reach?")
+        feedback.fail(f"the run did not finish within {err.run.info.get('timeout')} s"
+                      + (f": {where}" if where else "") + f". {_sentence(err.hint)}")
         feedback.run = err.run
         return _stopped(feedback)
     except LaunchError as err:
@@ -186,11 +191,17 @@ def attempt(exercise: str, target, **launch_options):
         root = feedback.failure = err.root_cause
         if root is not None and root.exc_type == "NotImplementedError":
             feedback.todo(f"{root.message}{_where(root, script)}")
-        elif root is not None and root.exc_type:
+        elif root is not None and root.exc_type and not root.secondary and not any(
+                f.says_mismatch for f in err.failures):
             feedback.fail(f"rank {root.rank} stopped with {root.exc_type}: {root.message}"
                           f"{_where(root, script)}. Its traceback is in the output above.")
+        elif root is not None:  # a signal, a lost peer, a collective mismatch: the hint says most
+            last = "" if root.exc_type else root.last_line()
+            feedback.fail(f"{root.headline()}{_where(root, script)}"
+                          + (f"; its last output: {last}" if last else "")
+                          + f". {_sentence(err.hint)}")
         else:
-            feedback.fail(f"the run failed: {err.summary}")
+            feedback.fail(f"the run failed: {err.summary} {_sentence(err.hint)}")
         return _stopped(feedback)
     feedback.run = run
     return feedback, run

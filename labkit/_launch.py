@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 from labkit import _hardware, _proc, _supervise
-from labkit._errors import LaunchError, LaunchTimeout
+from labkit._errors import LaunchError, LaunchTimeout, failure_hint, timeout_hint
 from labkit._live import LiveView
 from labkit._plan import Plan, check_env, plan, refuse_keywords
 from labkit._run import Run
@@ -236,9 +236,7 @@ def _conclude(run: Run, streams, stacks: dict, emit) -> Run:
             pass
         raise LaunchTimeout(
             f"run '{run.name}' passed its timeout of {run.info['timeout']} s and was stopped.",
-            last_steps=last_steps, stacks=stacks, run=run,
-            hint="a rank that logged fewer steps than the others, or waits in a collective "
-                 "the others never reach, is the one to read first.",
+            last_steps=last_steps, stacks=stacks, run=run, hint=timeout_hint(stacks),
         )
     failures, restarts = _supervise.collect_failures(run.run_dir, streams)
     if run.status == "ok":
@@ -247,16 +245,7 @@ def _conclude(run: Run, streams, stacks: dict, emit) -> Run:
         emit(f"✓ {run.name}: {run.nproc} rank(s), {run.wall_s:.1f} s, exit code 0 — {run.run_dir}")
         return run
     if failures:
-        first = failures[0]
-        if first.exc_type == "SystemExit":
-            hint = "the script exited on purpose; its last output (above) says why."
-        elif first.exc_type:
-            hint = (f"read rank {first.rank}'s traceback above: it is the root cause"
-                    + ("; the other ranks stopped because it went away." if len(failures) > 1 else ".")
-                    + " A rank's whole output: err.run.output(rank).")
-        else:
-            hint = ("no Python exception was recorded: a rank killed by a signal is often out of "
-                    "memory (dmesg says), or was stopped from outside.")
+        hint = failure_hint(failures)
     else:
         hint = f"no rank recorded an error; torchrun's own log is {run.run_dir / 'torchrun.log'}."
     restarted = f" after {restarts} restart(s)" if restarts else ""

@@ -20,6 +20,9 @@ from labkit._tail import LineTail as _LineTail
 _ATTEMPT_RE = re.compile(r"attempt_(\d+)[/\\](\d+)[/\\]stdout\.log$")
 # torchrun's own line for a worker that died without a Python exception (a signal, say).
 _TORCHRUN_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+# torchrun's closing summary lists every failed worker; the line above names only the first
+# it saw (rank 0 aborted by gloo can come second to rank 1 that lost it).
+_TORCHRUN_SUMMARY_RE = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)")
 _FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
 # torchrun logs like glog: "W1122 04:01:27.719000 2582 path/api.py:753] message".
 _GLOG_RE = re.compile(r"^([IWEF])\d{4} [\d:.]+ +\d+ \S+:\d+\] (.*)$")
@@ -274,6 +277,7 @@ def collect_failures(run_dir: Path, streams: Streams) -> tuple[list[RankFailure]
     torchrun_log = Path(run_dir, "torchrun.log")
     text = torchrun_log.read_text(errors="replace") if torchrun_log.exists() else ""
     signalled = {int(rank): int(code) for code, rank in _TORCHRUN_FAILED_RE.findall(text)}
+    signalled.update({int(rank): int(code) for rank, code in _TORCHRUN_SUMMARY_RE.findall(text)})
     last_restart = max([r["restart"] for r in records] + [max(streams._attempts)])
     failures = []
     for rec in records:

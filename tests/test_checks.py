@@ -16,6 +16,7 @@ import labkit
 from labkit._feedback import MIME, Feedback, attempt
 from labkit._checks import fsdp as fsdp_check
 from conftest import ROOT
+from test_launch import MISMATCH
 
 WRITEFILE = re.compile(r"^%%writefile\s+(\S+)\s*\n")
 
@@ -148,6 +149,39 @@ def test_a_run_that_stopped_says_so_instead_of_counting_checks(workdir, write_sc
     assert run is None and feedback.stopped and feedback.status == "failed"
     assert "the run stopped before the checks could look at it" in str(feedback)
     assert "checks pass" not in str(feedback)
+
+
+@pytest.mark.launch
+def test_a_run_that_failed_without_an_exception_is_explained_not_summarised(workdir, write_script):
+    """A collective only rank 0 calls: gloo aborts rank 0 (SIGABRT). The check names the rank,
+    the signal, its last output and what to look for, not "torchrun exited with code 1"."""
+    write_script("mine.py", MISMATCH.replace("SIZE", "1000"))
+    feedback, run = attempt("02-ddp", "mine.py", nproc=2, device="cpu", timeout=120)
+    assert run is None and feedback.stopped and feedback.status == "failed"
+    [message] = feedback.messages("fail")
+    assert message.startswith("rank 0 failed (exit code -6): killed by SIGABRT; its last output: …")
+    assert "Is there a distributed collective mismatch in your code?" in message
+    assert ("Rank 0's output says the ranks' collectives did not match: every rank must call the same "
+            "collectives in the same order") in message
+    assert "torchrun exited with code" not in message
+
+
+@pytest.mark.launch
+def test_a_hang_names_where_each_rank_waited(workdir, write_script):
+    write_script("mine.py", """
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            dist.all_reduce(torch.ones(1))
+        dist.barrier()
+    """)
+    feedback, run = attempt("02-ddp", "mine.py", nproc=2, device="cpu", timeout=20)
+    assert run is None and feedback.status == "failed"
+    [message] = feedback.messages("fail")
+    assert message.startswith("the run did not finish within 20 s: rank 0 at mine.py:4 in <module>, "
+                              "inside all_reduce")
+    assert "rank 1 at mine.py:5 in <module>, inside barrier" in message
+    assert "The ranks wait in different places" in message and "`if rank == 0:`" in message
 
 
 def test_a_missing_scripts_folder_is_named(workdir):

@@ -36,6 +36,22 @@ SLEEPER = """
 """
 
 
+# Rank 0 calls one all-reduce more than rank 1, so their collectives pair up wrongly.
+# Sizes that differ: gloo aborts rank 0 (SIGABRT, "Is there a distributed collective
+# mismatch"); sizes that match: rank 1 finishes and rank 0 waits for it, then loses it.
+MISMATCH = """
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if rank == 0:
+        dist.all_reduce(torch.ones(4))
+    for step in range(3):
+        dist.all_reduce(torch.ones(SIZE))
+    print(f"rank {rank} done", flush=True)
+    dist.destroy_process_group()
+"""
+
+
 def no_run_started(workdir: Path) -> bool:
     runs = workdir / "runs"
     return not runs.exists() or not any(runs.iterdir())
@@ -252,6 +268,33 @@ def test_a_rank_that_raises_is_named_first(workdir, write_script):
     assert 'File "fail.py", line 4' in err.failures[0].traceback
     assert "HINT: read rank 1's traceback" in str(err)
     assert all_gone(err.run.run_dir, timeout=5)
+
+
+@pytest.mark.launch
+def test_a_collective_only_rank_0_calls_is_named_as_a_mismatch(workdir, write_script):
+    write_script("mismatch.py", MISMATCH.replace("SIZE", "1000"))
+    with pytest.raises(LaunchError, match=r"rank 0 failed \(exit code -6\): killed by SIGABRT") as info:
+        labkit.launch("mismatch.py", nproc=2, timeout=120)
+    err = info.value
+    assert "Is there a distributed collective mismatch" in err.failures[0].output_tail
+    assert "its last output:" in str(err) and "collective mismatch in your code?" in str(err)
+    assert err.hint.startswith("rank 0's output says the ranks' collectives did not match: every rank "
+                               "must call the same collectives in the same order")
+    assert "out of memory" not in str(err)
+    assert all_gone(err.run.run_dir, timeout=5)
+
+
+@pytest.mark.launch
+def test_a_rank_left_waiting_by_a_peer_that_finished_is_not_called_the_root_cause(workdir, write_script):
+    write_script("mismatch.py", MISMATCH.replace("SIZE", "4"))
+    with pytest.raises(LaunchError) as info:
+        labkit.launch("mismatch.py", nproc=2, timeout=120)
+    err = info.value
+    assert [(f.rank, f.secondary) for f in err.failures] == [(0, True)]
+    assert "rank 1 done" in err.run.output(1)
+    assert "root cause" not in err.hint
+    assert "rank 0 lost its connection to a peer, but no rank reported an error of its own" in err.hint
+    assert "look for a collective inside `if rank == 0:`" in err.hint
 
 
 @pytest.mark.launch

@@ -1,0 +1,81 @@
+"""LaunchError's message and HINT: what each kind of failure usually means."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit import LaunchError, LaunchTimeout, RankFailure
+from labkit._errors import failure_hint, timeout_hint
+
+ABORT_TAIL = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+              "  what():  [enforce fail at gloo/transport/tcp/pair.cc:464] op.preamble.length <= "
+              "op.nbytes. 1000 vs 4. Received data size doesn't match expected size. Is there a "
+              "distributed collective mismatch in your code?")
+PEER_GONE = "[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:33687."
+
+
+def failure(rank, *, code=1, exc_type="", message="", tail="", secondary=False, time=None):
+    return RankFailure(rank=rank, exit_code=code, exc_type=exc_type, message=message,
+                       traceback=f"Traceback ...\n{exc_type}: {message}\n" if exc_type else "",
+                       output_tail=tail, time=time, secondary=secondary)
+
+
+@pytest.mark.parametrize("code, words", [
+    (-9, "killed by SIGKILL, most often by the out-of-memory killer"),
+    (-6, "aborted (SIGABRT) by PyTorch's C++ runtime, not by a Python exception: its last lines"),
+    (-11, "crashed inside native code"),
+    (-15, "stopped from outside"),
+    (3, "exited with code 3 without a Python exception"),
+])
+def test_a_rank_without_an_exception_gets_the_hint_of_its_signal(code, words):
+    hint = failure_hint([failure(0, code=code, message="killed", tail="last words")])
+    assert words in hint
+    assert "out of memory" not in hint or code == -9
+
+
+def test_a_collective_mismatch_in_a_ranks_output_says_what_to_look_for():
+    failures = [failure(0, code=-6, message="killed by SIGABRT", tail=ABORT_TAIL),
+                failure(1, exc_type="RuntimeError", message=PEER_GONE, secondary=True)]
+    hint = failure_hint(failures)
+    assert hint.startswith("rank 0's output says the ranks' collectives did not match: every rank "
+                           "must call the same collectives in the same order")
+    assert "`if rank == 0:`" in hint
+    text = str(LaunchError("run 'x' failed.", failures=failures, hint=hint))
+    assert "its last output:" in text and "Is there a distributed collective mismatch" in text
+
+
+def test_a_rank_that_only_lost_its_peer_is_not_called_the_root_cause():
+    """A peer that skipped a collective and finished leaves one rank waiting, then cut off."""
+    hint = failure_hint([failure(0, exc_type="RuntimeError", message=PEER_GONE, secondary=True)])
+    assert "rank 0 lost its connection to a peer, but no rank reported an error of its own" in hint
+    assert "root cause" not in hint and "Every rank must call the same collectives" in hint
+
+
+def test_ranks_that_raised_the_same_error_are_not_called_secondary():
+    failures = [failure(r, exc_type="ValueError", message="bad --lr", time=1.0 + r) for r in range(3)]
+    err = LaunchError("run 'x' failed.", failures=failures, hint=failure_hint(failures))
+    text = str(err)
+    assert "also: ranks 1 and 2 failed with the same error" in text
+    assert "peer went away" not in text and "because it went away" not in text
+    assert "HINT: every rank that failed raised the same error, so its cause is in code they all run" in text
+
+
+def test_a_root_cause_and_its_secondary_peers():
+    failures = [failure(1, exc_type="ValueError", message="rank 1 is unhappy"),
+                failure(0, exc_type="RuntimeError", message=PEER_GONE, secondary=True)]
+    text = str(LaunchError("run 'x' failed.", failures=failures, hint=failure_hint(failures)))
+    assert "also: rank 0 failed (exit code 1): RuntimeError" in text
+    assert "(most likely because a peer went away)" in text
+    assert "HINT: read rank 1's traceback above: it is the root cause; the other ranks stopped" in text
+
+
+def test_a_timeout_with_ranks_in_different_collectives_names_the_mismatch():
+    stacks = {0: "x.py:6 in <module>, inside all_reduce (distributed_c10d.py)",
+              1: "x.py:8 in <module>, inside barrier (distributed_c10d.py)"}
+    hint = timeout_hint(stacks)
+    assert hint.startswith("the ranks wait in different places (rank 0 at x.py:6 in <module>, inside "
+                           "all_reduce; rank 1 at x.py:8 in <module>, inside barrier): every rank must")
+    assert "waits in a collective the others never reach" in timeout_hint(
+        {0: "x.py:6 in <module>, inside all_reduce (distributed_c10d.py)", 1: "x.py:9 in <module>"})
+    assert "HINT: the ranks wait in different places" in str(
+        LaunchTimeout("run 'x' passed its timeout.", stacks=stacks, hint=hint))
