@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import inspect
 import json
+import platform
 import signal
+import subprocess
+import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -232,10 +236,24 @@ def all_gone(run_dir: Path, timeout: float = 10.0) -> bool:
     return False
 
 
+def git_repo(folder: Path) -> str:
+    """Make ``folder`` a git repository with one commit; its commit id."""
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.org", *args],
+                              cwd=folder, check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "scripts")
+    return git("rev-parse", "HEAD")
+
+
 @pytest.mark.launch
 def test_two_ranks_succeed_with_metrics_and_prefixed_output(workdir, write_script, capsys):
     write_script("hello.py", HELLO)
-    run = labkit.launch("hello.py", nproc=2, timeout=120)
+    commit = git_repo(workdir)
+    before = time.time()
+    run = labkit.launch("hello.py", nproc=2, args=["--greeting", "hi"], timeout=120)
+    after = time.time()
     out = capsys.readouterr().out
     assert run.returncode == 0 and run.status == "ok"
     assert "[rank0] hello from rank 0, sum 1" in out
@@ -244,10 +262,22 @@ def test_two_ranks_succeed_with_metrics_and_prefixed_output(workdir, write_scrip
     assert "--rdzv-endpoint=127.0.0.1:0" in run.command and f"$ {run.command}" in out
     df = run.metrics()
     assert sorted(df["rank"].unique()) == [0, 1] and len(df) == 6
-    saved = json.loads((run.run_dir / "run.json").read_text())
-    assert saved["returncode"] == 0 and saved["env"]["OMP_NUM_THREADS"] == str(run.info["threads_per_rank"])
     assert labkit.Run.load(run.run_dir).metrics().equals(df)
     assert all_gone(run.run_dir, timeout=2)
+
+    # run.json says what ran, where, with what, and when: enough to redo or redraw the run.
+    saved = json.loads((run.run_dir / "run.json").read_text())
+    assert saved["command"] == run.command and saved["command"].endswith("hello.py --greeting hi")
+    assert saved["argv"][0] == sys.executable and saved["args"] == ["--greeting", "hi"]
+    assert saved["script"] == "hello.py" and saved["nproc"] == 2 and saved["device"] == "cpu"
+    assert saved["returncode"] == 0 and saved["status"] == "ok"
+    assert saved["env"]["OMP_NUM_THREADS"] == str(run.info["threads_per_rank"])
+    assert saved["versions"] == {"python": platform.python_version(), "torch": metadata.version("torch"),
+                                 "labkit": labkit.__version__}
+    assert saved["hardware"]["cpu_count"] == _hardware.cpu_count() and saved["hardware"]["gpus"] == []
+    assert saved["git_commit"] == commit
+    assert before <= saved["start_time"] < saved["end_time"] <= after
+    assert 0 < saved["wall_s"] <= after - before
 
 
 @pytest.mark.launch
@@ -267,6 +297,13 @@ def test_a_rank_that_raises_is_named_first(workdir, write_script):
     assert err.failures[0].rank == 1 and not err.failures[0].secondary
     assert 'File "fail.py", line 4' in err.failures[0].traceback
     assert "HINT: read rank 1's traceback" in str(err)
+    # torchrun's own error file for rank 1 (it sets TORCHELASTIC_ERROR_FILE under --log-dir)
+    [error_file] = err.run.run_dir.glob("torchrun/*/attempt_0/1/error.json")
+    recorded = json.loads(error_file.read_text())["message"]
+    assert recorded["message"] == "ValueError: rank 1 is unhappy"
+    callstack = recorded["extraInfo"]["py_callstack"]
+    assert callstack.startswith("Traceback (most recent call last):")
+    assert 'File "fail.py", line 4' in callstack and callstack.rstrip().endswith("ValueError: rank 1 is unhappy")
     assert all_gone(err.run.run_dir, timeout=5)
 
 
@@ -480,7 +517,6 @@ def test_two_concurrent_launches_both_succeed(workdir, write_script):
         run = labkit.launch("hello.py", nproc=2, timeout=120, quiet=True)
         print(run.status)
     """
-    import subprocess
     procs = [python(code, cwd=workdir, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=180)[0] for p in procs]
     assert [o.strip().splitlines()[-1] for o in outs] == ["ok", "ok"]

@@ -22,6 +22,17 @@ def test_curve_is_the_mean_over_ranks_at_each_step(tmp_path):
     assert by_samples["x"].tolist() == [8]
 
 
+def test_plot_loss_over_time_counts_seconds_from_the_launch(tmp_path):
+    run = make_run(tmp_path, {0: [rec(0, 1, 1003.0, loss=2.0), rec(0, 2, 1005.0, loss=1.0)],
+                              1: [rec(1, 1, 1003.5, loss=4.0), rec(1, 2, 1004.5, loss=2.0)]},
+                   start_time=1000.0)
+    ax = labkit.plot_loss(run, x="time")
+    curve = ax.lines[0]
+    assert curve.get_xdata().tolist() == [3.5, 5.0]  # the later rank ends each step
+    assert curve.get_ydata().tolist() == [3.0, 1.5]
+    assert ax.get_xlabel() == "seconds since launch"
+
+
 def test_plot_loss_marks_restarts(tmp_path):
     lines = [rec(0, 1, 1.0, loss=2.0), rec(0, 2, 2.0, loss=1.5),
              {**rec(0, 2, 5.0, loss=1.5), "restart": 1}, {**rec(0, 3, 6.0, loss=1.2), "restart": 1}]

@@ -60,3 +60,10 @@ def test_a_failed_run_hands_back_the_runs_before_it(workdir, write_script):
     with pytest.raises(labkit.LaunchError) as caught:
         labkit.sweep("flaky.py", nprocs=[1, 2], repeats=1, timeout=120)
     assert [run.nproc for run in caught.value.sweep.runs] == [1]
+
+
+def test_load_refuses_a_folder_that_is_not_a_sweep(tmp_path):
+    (tmp_path / "run.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"is not a sweep folder: it has no sweep.json. HINT: "
+                                                r"pass the folder that labkit.sweep printed.*labkit.Run.load"):
+        labkit.Sweep.load(tmp_path)
