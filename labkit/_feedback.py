@@ -12,6 +12,7 @@ import html
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from labkit._errors import LaunchError, LaunchTimeout, ScriptError
 
@@ -165,6 +166,13 @@ def attempt(exercise: str, target, **launch_options):
     if os.path.isdir(script):
         feedback.fail(f"{script} is a folder: pass the path of the script that the %%writefile "
                       f"cell wrote.")
+        return _stopped(feedback)
+    if not script.endswith(".py"):  # launch would refuse it with a ValueError
+        from labkit._plan import _written_scripts
+
+        written = _written_scripts(Path(script)) if script.endswith(".ipynb") else []
+        feedback.fail(f"{script} is not a Python script: pass the path of the .py file that the "
+                      f"%%writefile cell wrote" + (f", e.g. {written[0]}." if written else "."))
         return _stopped(feedback)
     try:
         run = launch(script, **launch_options)

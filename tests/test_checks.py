@@ -378,6 +378,12 @@ def test_a_bad_target_is_a_finding_not_a_crash(check, workdir):
     assert folder.status == "failed" and "is a folder" in folder.messages("fail")[0]
     number = check(42)
     assert number.status == "failed" and "not int 42" in number.messages("fail")[0]
+    (workdir / "ex.ipynb").write_text(json.dumps({"cells": [
+        {"cell_type": "code", "source": "%%writefile scripts/ex_mine.py\nprint('hi')\n"}]}))
+    notebook = check("ex.ipynb")
+    assert notebook.status == "failed" and notebook.messages("fail")[0] == (
+        "ex.ipynb is not a Python script: pass the path of the .py file that the %%writefile cell "
+        "wrote, e.g. scripts/ex_mine.py.")
 
 
 def test_check_resume_asks_for_a_script_not_a_finished_run(workdir):
