@@ -91,14 +91,18 @@ class Feedback:
                 "unfinished": "not finished yet."}[self.status]
 
     def _hint_line(self) -> str:
-        """Points to the hint about the first thing that is wrong or unfinished, else hint 1."""
+        """Points to the hint about the first thing that is wrong or unfinished, else hint 1 (after
+        the error itself, when the run crashed)."""
         if self.passed:
             return ""
         numbers = [n for (status, _), n in zip(self.items, self.hints) if status != "ok" and n]
         if numbers:
             return (f"Stuck? labkit.hint({self.exercise!r}, {numbers[0]}) is about the first thing "
                     f"to fix above.")
-        return f"Stuck? labkit.hint({self.exercise!r}, 1) gives a first hint."
+        first = f"Stuck? labkit.hint({self.exercise!r}, 1) gives a first hint."
+        if self.stopped and self.status == "failed":  # a crash: its message says more than hint 1
+            return f"Fix what the {_MARK['fail']} line names first. " + first
+        return first
 
     def __str__(self) -> str:
         lines = [f"Exercise {self.exercise}: {self._verdict()}"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
@@ -95,13 +96,37 @@ def rank_env(p: Plan, run_dir: Path, extra: dict | None) -> dict:
     return env
 
 
-def _versions() -> dict:
-    found = {"python": sys.version.split()[0]}
-    for package in ("torch", "labkit"):
+def _torch_version() -> str | None:
+    """torch's version with its build suffix ("2.14.1+cu130", "2.14.1+cpu"): which CUDA a
+    reference run was built for matters, and the package metadata drops the suffix. Read from
+    torch/version.py so that a launch never pays for importing torch."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(getattr(torch, "__version__", None), str):
+        return str(torch.__version__)
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
         try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
+            text = (Path(folder) / "version.py").read_text()
+        except OSError:
+            continue
+        found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+        if found:
+            return found.group(1)
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _versions() -> dict:
+    found = {"python": sys.version.split()[0], "torch": _torch_version()}
+    try:
+        found["labkit"] = metadata.version("labkit")
+    except metadata.PackageNotFoundError:
+        found["labkit"] = None
     return found
 
 

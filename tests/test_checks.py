@@ -148,6 +148,8 @@ def test_a_run_that_stopped_says_so_instead_of_counting_checks(workdir, write_sc
     feedback, run = attempt("00-hello", "mine.py", nproc=1, device="cpu", timeout=120)
     assert run is None and feedback.stopped and feedback.status == "failed"
     assert "the run stopped before the checks could look at it" in str(feedback)
+    assert "Fix what the ✗ line names first. Stuck?" in str(feedback)
+    assert "labkit.hint('00-hello', 1)" in str(feedback)
     assert "checks pass" not in str(feedback)
 
 

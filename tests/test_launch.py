@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 
 import labkit
 from labkit import LaunchError, LaunchTimeout, ScriptError, _hardware, _proc
@@ -272,12 +272,20 @@ def test_two_ranks_succeed_with_metrics_and_prefixed_output(workdir, write_scrip
     assert saved["script"] == "hello.py" and saved["nproc"] == 2 and saved["device"] == "cpu"
     assert saved["returncode"] == 0 and saved["status"] == "ok"
     assert saved["env"]["OMP_NUM_THREADS"] == str(run.info["threads_per_rank"])
-    assert saved["versions"] == {"python": platform.python_version(), "torch": metadata.version("torch"),
+    assert saved["versions"] == {"python": platform.python_version(), "torch": torch.__version__,
                                  "labkit": labkit.__version__}
     assert saved["hardware"]["cpu_count"] == _hardware.cpu_count() and saved["hardware"]["gpus"] == []
     assert saved["git_commit"] == commit
     assert before <= saved["start_time"] < saved["end_time"] <= after
     assert 0 < saved["wall_s"] <= after - before
+
+
+def test_run_json_names_torch_with_its_build_without_importing_torch():
+    """The package metadata says "2.14.1"; a reference run needs "2.14.1+cu130" or "+cpu"."""
+    probe = ("import sys; from labkit._launch import _versions; v = _versions(); "
+             "print(v['torch'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [torch.__version__, "False"]
 
 
 @pytest.mark.launch
