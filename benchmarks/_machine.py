@@ -9,9 +9,8 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from importlib import metadata
-
 from labkit import _hardware
+from labkit._launch import _torch_version
 
 
 def cpu_model() -> str:
@@ -36,4 +35,4 @@ def describe() -> str:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     return (f"{cpu_model()}, {_hardware.cpu_count()} CPU cores, {_hardware.gpu_count()} GPU(s); "
             f"{platform.system()}, Python {sys.version.split()[0]}, "
-            f"torch {metadata.version('torch')}; load average {load} (1, 5, 15 min)")
+            f"torch {_torch_version()}; load average {load} (1, 5, 15 min)")
