@@ -64,9 +64,22 @@ class LiveView:
         if self._records:
             last = max(self._records, key=lambda r: r["time"])
             parts.append(f"step {last['step']}")
-            if isinstance(last.get("loss"), (int, float)):
-                parts.append(f"loss {last['loss']:.4f}")
+            loss = self._latest_loss()
+            if loss:
+                parts.append(loss)
         return " · ".join(parts)
+
+    def _latest_loss(self) -> str:
+        """The loss at the latest step any rank logged one, averaged over the ranks that did:
+        each rank's loss is its own batch's, so the last line to arrive (rank 0's or rank 1's,
+        by chance) would make two identical runs print different figures."""
+        losses = [r for r in self._records if isinstance(r.get("loss"), (int, float))]
+        if not losses:
+            return ""
+        latest = max((r.get("restart", 0), r["step"]) for r in losses)
+        at = [r["loss"] for r in losses if (r.get("restart", 0), r["step"]) == latest]
+        mean = sum(at) / len(at)
+        return f"loss {mean:.4f}" + (f" (mean of {len(at)} ranks)" if len(at) > 1 else "")
 
     def _figure(self, title: str):
         """The loss of every rank so far, restarts marked where each attempt resumed; None

@@ -83,6 +83,23 @@ def test_finishing_leaves_a_static_png_in_the_cell(view):
     assert last["text/plain"].startswith("ddp-2: ok") and "step 2" in last["text/plain"]
 
 
+def test_the_progress_line_shows_the_latest_step_s_loss_averaged_over_ranks(view):
+    """Not whichever rank's line came last: two identical runs must print the same figure."""
+    live, clock, handle = view
+    log(live.run_dir, 0, 10, 1.0, loss=2.0)
+    log(live.run_dir, 1, 10, 1.1, loss=1.0)
+    log(live.run_dir, 0, 20, 2.0, loss=0.5)
+    live._read()
+    assert live._progress("running").endswith("step 20 · loss 0.5000")   # rank 1 not there yet
+    log(live.run_dir, 1, 20, 2.1, loss=0.25)
+    log(live.run_dir, 1, 20, 2.2, test_acc=0.9)                           # no loss: not counted
+    live._read()
+    assert live._progress("ok").endswith("step 20 · loss 0.3750 (mean of 2 ranks)")
+    log(live.run_dir, 0, 10, 3.0, restart=1, loss=3.0)                    # a restart resumed at 10
+    live._read()
+    assert live._progress("running").endswith("step 10 · loss 3.0000")
+
+
 def test_finishing_without_a_loss_leaves_the_progress_line(view):
     live, clock, handle = view
     log(live.run_dir, 0, 0, clock.now, samples=4)
