@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.installed
 #   make lab TORCH="torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cu126"
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: lab test test-fast exercises restore doctor bench clean-runs
+.PHONY: lab test test-fast test-full exercises restore doctor bench clean-runs
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ test: $(STAMP)
 # Unit tests only (no launches, no notebooks): seconds, for the edit-run loop.
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not launch and not notebook"
+
+# Every lesson in full mode as well, as a learner runs it by default (tens of minutes on a laptop).
+test-full: $(STAMP)
+	LABKIT_SMOKE=1 $(PY) -m pytest --full
 
 # Regenerate exercises/ from solutions/ (a changed exercise is backed up to exercises/backup/).
 exercises: $(STAMP)

@@ -106,14 +106,15 @@ def copy_folder(name: str, dest: Path) -> Path:
 TIMINGS: dict[str, float] = {}
 
 
-def execute(notebook: Path, *, timeout: int = 300) -> list[dict]:
-    """Execute ``notebook`` in place with nbmake in smoke mode; return its executed cells.
+def execute(notebook: Path, *, timeout: int = 300, smoke: bool = True) -> list[dict]:
+    """Execute ``notebook`` in place with nbmake in smoke mode (or full mode: ``smoke=False``,
+    what a learner runs by default); return its executed cells.
 
     Fails the test with the end of nbmake's report if a cell raised, and names any code
     cell that never ran. MPLBACKEND is unset
     so that charts are kept as images, as in JupyterLab. The wall time goes to TIMINGS.
     """
-    env = dict(os.environ, LABKIT_SMOKE="1")
+    env = dict(os.environ, LABKIT_SMOKE="1" if smoke else "0")
     env.pop("MPLBACKEND", None)
     start = time.monotonic()
     result = subprocess.run(
@@ -121,7 +122,8 @@ def execute(notebook: Path, *, timeout: int = 300) -> list[dict]:
          "--overwrite", f"--nbmake-timeout={timeout}", str(notebook)],
         cwd=notebook.parent, env=env, capture_output=True, text=True, timeout=3 * timeout,
     )
-    TIMINGS[f"{notebook.parent.name}/{notebook.name}"] = time.monotonic() - start
+    TIMINGS[f"{notebook.parent.name}/{notebook.name}" + ("" if smoke else " (full mode)")] = (
+        time.monotonic() - start)
     assert result.returncode == 0, f"nbmake failed on {notebook.name}:\n{result.stdout[-6000:]}"
     cells = json.loads(notebook.read_text())["cells"]
     # An IPython UsageError (e.g. an empty %%writefile cell) goes to stderr and stops the
@@ -132,10 +134,17 @@ def execute(notebook: Path, *, timeout: int = 300) -> list[dict]:
     return cells
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="also execute every lesson in full mode, as a learner does by default "
+                          "(tens of minutes on 2 CPU cores): make test-full")
+
+
 def pytest_terminal_summary(terminalreporter):
     """Print how long each notebook took, so that the one-minute bar is seen on every run."""
     if not TIMINGS:
         return
-    terminalreporter.section("notebooks in smoke mode: wall time (nbmake, kernel start included)")
+    terminalreporter.section("notebooks: wall time (nbmake, kernel start included; smoke mode unless "
+                             "marked)")
     for name, seconds in sorted(TIMINGS.items()):
         terminalreporter.write_line(f"{seconds:6.1f} s  {name}")
