@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import pickle
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -49,6 +51,40 @@ def test_it_always_says_which_data_and_why(tmp_path):
     offline = get_datasets(tmp_path, download=False, train_size=32, test_size=16)
     assert offline.source == "synthetic"
     assert "CIFAR-10 is not in" in offline.description and "download=False" in offline.description
+
+
+def _stand_in_cifar(root) -> None:
+    """CIFAR-10's files and format, four random images per batch (the real set is offline here)."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {"data": rng.integers(0, 256, (4, 3 * 32 * 32), dtype=np.uint8), "labels": [0, 1, 2, 3]}
+        (folder / name).write_bytes(pickle.dumps(batch))
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [str(i) for i in range(10)]}))
+
+
+def test_cifar_is_augmented_only_when_asked(tmp_path, monkeypatch):
+    """Random crops and flips are drawn anew each time an image is read; augment=False (what the
+    lessons that compare runs ask for) reads the same tensor whatever the random state."""
+    import torchvision.datasets.cifar as cifar
+
+    monkeypatch.setattr(cifar, "check_integrity", lambda *args, **kwargs: True)  # no real md5s
+    _stand_in_cifar(tmp_path)
+    plain = get_datasets(tmp_path, download=False, augment=False)
+    assert plain.source == "CIFAR-10" and len(plain.train) == 20 and len(plain.test) == 4
+    reads = []
+    for seed in range(8):
+        torch.manual_seed(seed)
+        reads.append(plain.train[0][0])
+    assert all(torch.equal(reads[0], r) for r in reads[1:])
+    augmented = get_datasets(tmp_path, download=False)
+    torch.manual_seed(0)
+    draws = [augmented.train[0][0] for _ in range(8)]
+    assert any(not torch.equal(draws[0], d) for d in draws[1:]), "eight identical random crops"
+    torch.manual_seed(1)
+    first = augmented.test[0][0]
+    assert all(torch.equal(first, augmented.test[0][0]) for _ in range(4)), "test images are never augmented"
 
 
 def test_under_a_launch_rank_0_notes_the_data_in_the_run_folder(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ that would notice.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -66,6 +67,24 @@ def test_writefile_cells_match_scripts(path):
         assert body.rstrip("\n") == target.read_text().rstrip("\n"), (
             f"{path.name}'s %%writefile {match.group(1)} and the committed file differ")
     assert found, f"{path.name} writes no script"
+
+
+#: The lesson scripts whose runs are compared with each other: across world sizes (02-04),
+#: across a resume (05), DDP against FSDP (06). Lesson 01 trains alone and keeps augmentation.
+COMPARED = ["02_ddp.py", "03_syncbn.py", "04_accumulation.py", "05_checkpointing.py", "06_fsdp.py"]
+
+
+@pytest.mark.parametrize("script", COMPARED)
+def test_compared_runs_read_unaugmented_data(script):
+    """On real CIFAR-10 each process draws its own random crops and flips, so two runs of a
+    comparison would not see the same images; the smoke data set has no augmentation to hide it."""
+    tree = ast.parse((ROOT / "notebooks" / "scripts" / script).read_text())
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and getattr(node.func, "id", None) == "get_datasets"]
+    assert len(calls) == 1, f"{script} calls get_datasets {len(calls)} times"
+    augment = {k.arg: k.value for k in calls[0].keywords}.get("augment")
+    assert isinstance(augment, ast.Constant) and augment.value is False, (
+        f"{script}: get_datasets(..., augment=False), or its runs differ on CIFAR-10")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

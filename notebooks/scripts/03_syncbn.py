@@ -57,8 +57,10 @@ if ddp:
 master = rank == 0  # rank 0 alone prints summaries and saves files
 
 torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+# No random crops or flips: we compare runs at different world sizes, and each would draw
+# its own for the same image. Lesson 01 trains with them; here the batches must match.
 data = get_datasets(args.data_dir, synthetic=args.synthetic, train_size=args.train_size,
-                    test_size=args.test_size, seed=args.seed)
+                    test_size=args.test_size, seed=args.seed, augment=False)
 if master:
     print(data.description)
     print(f"per-rank batch {args.batch_size} × {world_size} rank(s) = "

@@ -55,8 +55,9 @@ if ddp:
 master = rank == 0
 fsdp = ddp and args.strategy == "fsdp"
 
+# No random crops or flips: DDP and FSDP must train on the very same batches.
 data = get_datasets(args.data_dir, synthetic=args.synthetic, train_size=args.train_size,
-                    test_size=1, seed=args.seed)  # this lesson does not evaluate
+                    test_size=1, seed=args.seed, augment=False)  # this lesson does not evaluate
 if master:
     print(data.description)
 sampler = DistributedSampler(data.train, num_replicas=world_size, rank=rank, shuffle=True,
