@@ -122,6 +122,33 @@ def default_nproc(device: str = "auto") -> int:
     return min(n, 2) if _hardware.is_smoke() else n
 
 
+def lesson_device(ranks: int = 2) -> str:
+    """The ``device`` a lesson's multi-rank launches pass: "auto" with a GPU for every rank,
+    else "cpu".
+
+    NCCL needs one GPU per rank. With fewer GPUs than ``ranks`` (one GPU on a laptop, or none),
+    a lesson that needs ``ranks`` processes runs them as CPU ranks with gloo instead; with
+    enough GPUs, "auto" gives every rank its own GPU. GPUs are counted without a CUDA context.
+
+    Args:
+        ranks: the fewest ranks the lesson needs to show anything (2 for data parallelism).
+
+    Returns:
+        "auto" when at least ``ranks`` GPUs are visible, else "cpu".
+
+    Raises:
+        TypeError, ValueError: ``ranks`` is not an int >= 1.
+
+    Example (lessons 00, 02 to 06)::
+
+        DEVICE = labkit.lesson_device()          # "auto" on 2+ GPUs, else "cpu"
+        NPROC = labkit.default_nproc(DEVICE)     # every GPU, else 2 CPU ranks
+        labkit.launch("scripts/02_ddp.py", nproc=NPROC, device=DEVICE)
+    """
+    _check_int("ranks", ranks, 1)
+    return "auto" if _hardware.gpu_count() >= ranks else "cpu"
+
+
 def check_nproc(nproc, device: str) -> int:
     _check_int("nproc", nproc, 1)
     cores = _hardware.cpu_count()

@@ -222,6 +222,23 @@ def test_default_nproc_is_two_cpu_ranks_without_gpus(monkeypatch):
     assert labkit.default_nproc() == 2
 
 
+@pytest.mark.parametrize("gpus, ranks, device", [(0, 2, "cpu"), (1, 2, "cpu"), (2, 2, "auto"),
+                                                  (8, 2, "auto"), (1, 1, "auto"), (3, 4, "cpu")])
+def test_lesson_device_needs_a_gpu_for_every_rank(monkeypatch, gpus, ranks, device):
+    """NCCL needs one GPU per rank: below ``ranks`` GPUs a lesson runs CPU ranks."""
+    monkeypatch.setattr(_hardware, "gpu_count", lambda: gpus)
+    assert labkit.lesson_device(ranks) == device
+    if ranks == 2:
+        assert labkit.lesson_device() == device
+
+
+def test_lesson_device_refuses_a_bad_rank_count():
+    with pytest.raises(ValueError, match="ranks must be >= 1, got 0"):
+        labkit.lesson_device(0)
+    with pytest.raises(TypeError, match="ranks must be an int"):
+        labkit.lesson_device(2.0)
+
+
 # -- real launches ------------------------------------------------------------------------
 def all_gone(run_dir: Path, timeout: float = 10.0) -> bool:
     """True once torchrun and every recorded rank of the run have exited."""
