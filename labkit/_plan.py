@@ -17,7 +17,7 @@ _DEVICES = ("auto", "cpu")
 #: CPU ranks per core above which a launch is refused: each rank starts its own Python and
 #: torch, so far more ranks than cores spend the timeout starting up and then flood the cell.
 MAX_RANKS_PER_CORE = 4
-_WRITEFILE = re.compile(r"^%%writefile\s+(?:-a\s+)?(\S+)")
+_WRITEFILE = re.compile(r"^%%writefile\s+(?:(?:-a|--append)\s+)?(\S+)")
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ def check_script(script) -> str:
 
 
 def _written_scripts(notebook: Path) -> list[str]:
-    """The .py files that a notebook's %%writefile cells write, as paths from here."""
+    """The .py files that a notebook's %%writefile cells write, as paths from here, each once
+    (a lesson writes its script in steps: ``%%writefile`` and then ``%%writefile -a`` cells)."""
     try:
         cells = json.loads(notebook.read_text(encoding="utf-8")).get("cells", [])
     except (OSError, ValueError, AttributeError):
@@ -89,7 +90,9 @@ def _written_scripts(notebook: Path) -> list[str]:
         source = cell.get("source", "") if isinstance(cell, dict) else ""
         match = _WRITEFILE.match("".join(source) if isinstance(source, list) else source)
         if match and match.group(1).endswith(".py"):
-            found.append(os.path.join(os.path.dirname(os.fspath(notebook)), match.group(1)))
+            path = os.path.join(os.path.dirname(os.fspath(notebook)), match.group(1))
+            if path not in found:
+                found.append(path)
     return found
 
 

@@ -16,7 +16,7 @@ import torch
 
 import labkit
 from labkit import LaunchError, LaunchTimeout, ScriptError, _hardware, _proc
-from labkit._plan import plan
+from labkit._plan import _written_scripts, plan
 from conftest import python
 
 HELLO = """
@@ -136,6 +136,14 @@ def test_a_notebook_is_not_a_script(workdir):
     with pytest.raises(ValueError, match=r"00_setup.ipynb is a notebook, not a script.*HINT: launch "
                                          r"the script its %%writefile cell writes, e.g. scripts/00_hello.py"):
         labkit.launch("00_setup.ipynb")
+    (workdir / "02_ddp.ipynb").write_text(json.dumps({"cells": [   # a script told in steps
+        {"cell_type": "code", "source": ["%%writefile scripts/02_ddp.py\n", "import os\n"]},
+        {"cell_type": "markdown", "source": ["Next, the process group."]},
+        {"cell_type": "code", "source": ["%%writefile -a scripts/02_ddp.py\n", "print('hi')\n"]},
+        {"cell_type": "code", "source": ["%%writefile --append scripts/02_ddp.py\n", "pass\n"]},
+        {"cell_type": "code", "source": ["%%writefile scripts/02_pitfall.py\n", "pass\n"]},
+    ]}))
+    assert _written_scripts(Path("02_ddp.ipynb")) == ["scripts/02_ddp.py", "scripts/02_pitfall.py"]
     (workdir / "notes.txt").write_text("print('hi')\n")
     with pytest.raises(ValueError, match=r"notes.txt is not a Python script \(.py\)"):
         labkit.launch("notes.txt")
