@@ -49,6 +49,7 @@ _LAZY = {
     "doctor": "labkit._doctor",
     "Report": "labkit._doctor",
     "diff": "labkit._diff",
+    "write_variant": "labkit._diff",
     "plot_loss": "labkit._plots",
     "plot_metric": "labkit._plots",
     "plot_speedup": "labkit._plots",
