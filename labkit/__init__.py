@@ -8,6 +8,8 @@ Notebook side (see each name's docstring)::
     run.metrics(); run.throughput()
     sweep = labkit.sweep("scripts/02_ddp.py", nprocs=[1, 2], repeats=3)
     labkit.plot_speedup(sweep); labkit.plot_loss([run_a, run_b])
+    DEVICE = labkit.lesson_device()            # "auto" on 2+ GPUs, else CPU ranks
+    labkit.compare_losses(run, reference, epoch_tol=0.05).check()   # trained alike?
 
 Exercises (``exercises/``)::
 
@@ -36,12 +38,18 @@ __version__ = "0.1.0"
 _LAZY = {
     "launch": "labkit._launch",
     "default_nproc": "labkit._plan",
+    "lesson_device": "labkit._plan",
+    "loss_by_step": "labkit._compare",
+    "loss_by_epoch": "labkit._compare",
+    "compare_losses": "labkit._compare",
+    "LossComparison": "labkit._compare",
     "sweep": "labkit._sweep",
     "Sweep": "labkit._sweep",
     "Run": "labkit._run",
     "doctor": "labkit._doctor",
     "Report": "labkit._doctor",
     "diff": "labkit._diff",
+    "write_variant": "labkit._diff",
     "plot_loss": "labkit._plots",
     "plot_metric": "labkit._plots",
     "plot_speedup": "labkit._plots",

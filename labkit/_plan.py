@@ -17,7 +17,7 @@ _DEVICES = ("auto", "cpu")
 #: CPU ranks per core above which a launch is refused: each rank starts its own Python and
 #: torch, so far more ranks than cores spend the timeout starting up and then flood the cell.
 MAX_RANKS_PER_CORE = 4
-_WRITEFILE = re.compile(r"^%%writefile\s+(?:-a\s+)?(\S+)")
+_WRITEFILE = re.compile(r"^%%writefile\s+(?:(?:-a|--append)\s+)?(\S+)")
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ def check_script(script) -> str:
 
 
 def _written_scripts(notebook: Path) -> list[str]:
-    """The .py files that a notebook's %%writefile cells write, as paths from here."""
+    """The .py files that a notebook's %%writefile cells write, as paths from here, each once
+    (a lesson writes its script in steps: ``%%writefile`` and then ``%%writefile -a`` cells)."""
     try:
         cells = json.loads(notebook.read_text(encoding="utf-8")).get("cells", [])
     except (OSError, ValueError, AttributeError):
@@ -89,7 +90,9 @@ def _written_scripts(notebook: Path) -> list[str]:
         source = cell.get("source", "") if isinstance(cell, dict) else ""
         match = _WRITEFILE.match("".join(source) if isinstance(source, list) else source)
         if match and match.group(1).endswith(".py"):
-            found.append(os.path.join(os.path.dirname(os.fspath(notebook)), match.group(1)))
+            path = os.path.join(os.path.dirname(os.fspath(notebook)), match.group(1))
+            if path not in found:
+                found.append(path)
     return found
 
 
@@ -120,6 +123,33 @@ def default_nproc(device: str = "auto") -> int:
     kind = resolve_device(device)
     n = _hardware.gpu_count() if kind == "cuda" else 2
     return min(n, 2) if _hardware.is_smoke() else n
+
+
+def lesson_device(ranks: int = 2) -> str:
+    """The ``device`` a lesson's multi-rank launches pass: "auto" with a GPU for every rank,
+    else "cpu".
+
+    NCCL needs one GPU per rank. With fewer GPUs than ``ranks`` (one GPU on a laptop, or none),
+    a lesson that needs ``ranks`` processes runs them as CPU ranks with gloo instead; with
+    enough GPUs, "auto" gives every rank its own GPU. GPUs are counted without a CUDA context.
+
+    Args:
+        ranks: the fewest ranks the lesson needs to show anything (2 for data parallelism).
+
+    Returns:
+        "auto" when at least ``ranks`` GPUs are visible, else "cpu".
+
+    Raises:
+        TypeError, ValueError: ``ranks`` is not an int >= 1.
+
+    Example (lessons 00, 02 to 06)::
+
+        DEVICE = labkit.lesson_device()          # "auto" on 2+ GPUs, else "cpu"
+        NPROC = labkit.default_nproc(DEVICE)     # every GPU, else 2 CPU ranks
+        labkit.launch("scripts/02_ddp.py", nproc=NPROC, device=DEVICE)
+    """
+    _check_int("ranks", ranks, 1)
+    return "auto" if _hardware.gpu_count() >= ranks else "cpu"
 
 
 def check_nproc(nproc, device: str) -> int:

@@ -16,7 +16,7 @@ import torch
 
 import labkit
 from labkit import LaunchError, LaunchTimeout, ScriptError, _hardware, _proc
-from labkit._plan import plan
+from labkit._plan import _written_scripts, plan
 from conftest import python
 
 HELLO = """
@@ -136,6 +136,14 @@ def test_a_notebook_is_not_a_script(workdir):
     with pytest.raises(ValueError, match=r"00_setup.ipynb is a notebook, not a script.*HINT: launch "
                                          r"the script its %%writefile cell writes, e.g. scripts/00_hello.py"):
         labkit.launch("00_setup.ipynb")
+    (workdir / "02_ddp.ipynb").write_text(json.dumps({"cells": [   # a script told in steps
+        {"cell_type": "code", "source": ["%%writefile scripts/02_ddp.py\n", "import os\n"]},
+        {"cell_type": "markdown", "source": ["Next, the process group."]},
+        {"cell_type": "code", "source": ["%%writefile -a scripts/02_ddp.py\n", "print('hi')\n"]},
+        {"cell_type": "code", "source": ["%%writefile --append scripts/02_ddp.py\n", "pass\n"]},
+        {"cell_type": "code", "source": ["%%writefile scripts/02_pitfall.py\n", "pass\n"]},
+    ]}))
+    assert _written_scripts(Path("02_ddp.ipynb")) == ["scripts/02_ddp.py", "scripts/02_pitfall.py"]
     (workdir / "notes.txt").write_text("print('hi')\n")
     with pytest.raises(ValueError, match=r"notes.txt is not a Python script \(.py\)"):
         labkit.launch("notes.txt")
@@ -220,6 +228,23 @@ def test_default_nproc_is_two_cpu_ranks_without_gpus(monkeypatch):
     assert labkit.default_nproc("cpu") == 2
     monkeypatch.setenv("LABKIT_SMOKE", "1")
     assert labkit.default_nproc() == 2
+
+
+@pytest.mark.parametrize("gpus, ranks, device", [(0, 2, "cpu"), (1, 2, "cpu"), (2, 2, "auto"),
+                                                  (8, 2, "auto"), (1, 1, "auto"), (3, 4, "cpu")])
+def test_lesson_device_needs_a_gpu_for_every_rank(monkeypatch, gpus, ranks, device):
+    """NCCL needs one GPU per rank: below ``ranks`` GPUs a lesson runs CPU ranks."""
+    monkeypatch.setattr(_hardware, "gpu_count", lambda: gpus)
+    assert labkit.lesson_device(ranks) == device
+    if ranks == 2:
+        assert labkit.lesson_device() == device
+
+
+def test_lesson_device_refuses_a_bad_rank_count():
+    with pytest.raises(ValueError, match="ranks must be >= 1, got 0"):
+        labkit.lesson_device(0)
+    with pytest.raises(TypeError, match="ranks must be an int"):
+        labkit.lesson_device(2.0)
 
 
 # -- real launches ------------------------------------------------------------------------

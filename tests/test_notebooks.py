@@ -20,7 +20,8 @@ from conftest import TIMINGS, copy_folder, execute
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-WRITEFILE = re.compile(r"^%%writefile\s+(\S+)\s*\n")
+WRITEFILE = re.compile(r"^%%writefile(?P<append>\s+(?:-a|--append))?\s+(?P<path>\S+)[ \t]*\n")
+WRITEFILE_MAX_LINES = 60   # a script is told in steps: aim for 15-40 lines a cell
 LESSON_BAR_S = 60   # quality.md: each lesson runs in smoke mode in under a minute on 2 CPU cores
 SLACK = 1.5         # CI's shared cores are noisy: fail at 1.5x the bar; the summary prints each time
 
@@ -52,21 +53,53 @@ def test_stored_clean(path):
                 f"{path.name} is stored with outputs; clear them before committing")
 
 
+def _writefile_cells(path: Path) -> list[tuple[str, bool, str, int]]:
+    """(target, appends, body, cell index) of each %%writefile cell, in order. The body is what
+    IPython writes: the cell after its first line, with a final newline added if missing."""
+    found = []
+    for index, cell in enumerate(_cells(path)):
+        match = WRITEFILE.match(_source(cell))
+        if cell["cell_type"] == "code" and match:
+            body = _source(cell)[match.end():]
+            found.append((match.group("path"), bool(match.group("append")),
+                          body if body.endswith("\n") else body + "\n", index))
+    return found
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_writefile_cells_match_scripts(path):
-    """Each %%writefile cell and its copy in notebooks/scripts/ are the same text."""
-    found = 0
+    """The committed copy of each script in notebooks/scripts/ is exactly what the notebook
+    writes: its first ``%%writefile`` cell, then every ``%%writefile -a`` cell, in order."""
+    written: dict[str, str] = {}
+    for target, appends, body, index in _writefile_cells(path):
+        if appends:
+            assert target in written, (
+                f"{path.name} cell {index} appends to {target} before any cell writes it: start the "
+                f"script with a plain %%writefile, so that running the notebook again starts afresh")
+            written[target] += body
+        else:
+            assert target not in written, (
+                f"{path.name} cell {index} writes {target} again without -a, which throws away the "
+                f"steps above it: use %%writefile -a {target}")
+            written[target] = body
+    assert written, f"{path.name} writes no script"
+    for target, text in written.items():
+        committed = path.parent / target
+        assert committed.is_file(), f"{path.name} writes {target}, which is not committed"
+        assert text == committed.read_text(), (
+            f"{path.name}'s %%writefile cells for {target} and the committed file differ")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_writefile_cells_are_short(path):
+    """A lesson builds its script one short step at a time, prose between the steps."""
     for cell in _cells(path):
-        match = WRITEFILE.match(_source(cell))
-        if cell["cell_type"] != "code" or not match:
-            continue
-        found += 1
-        target = path.parent / match.group(1)
-        body = _source(cell)[match.end():]
-        assert target.is_file(), f"{path.name} writes {match.group(1)}, which is not committed"
-        assert body.rstrip("\n") == target.read_text().rstrip("\n"), (
-            f"{path.name}'s %%writefile {match.group(1)} and the committed file differ")
-    assert found, f"{path.name} writes no script"
+        source = _source(cell)
+        if cell["cell_type"] == "code" and source.startswith("%%writefile"):
+            lines = len(source.rstrip("\n").splitlines())
+            assert lines <= WRITEFILE_MAX_LINES, (
+                f"{path.name}: {source.splitlines()[0]!r} is a cell of {lines} lines, over "
+                f"{WRITEFILE_MAX_LINES}: split it into steps (%%writefile -a), prose between them")
 
 
 #: The lesson scripts whose runs are compared with each other: across world sizes (02-04),
@@ -138,6 +171,18 @@ def test_executes_in_full_mode(path, request, tmp_path):
     execute(copy / path.name, timeout=3600, smoke=False)
 
 
+def _falls_back_below_two_gpus(expression: str) -> bool:
+    """True for ``labkit.lesson_device()`` asking for 2 GPUs or more (its default is 2), or the
+    spelled-out ``"auto" if GPUS >= 2 else "cpu"``."""
+    if expression == "'auto' if GPUS >= 2 else 'cpu'":
+        return True
+    call = ast.parse(expression, mode="eval").body
+    if not (isinstance(call, ast.Call) and ast.unparse(call.func) == "labkit.lesson_device"):
+        return False
+    given = [*call.args, *(k.value for k in call.keywords if k.arg == "ranks")]
+    return not given or (isinstance(given[0], ast.Constant) and given[0].value >= 2)
+
+
 MULTI_RANK = [p for p in NOTEBOOKS if not p.name.startswith("01")]   # 01 is the one-device lesson
 
 
@@ -150,8 +195,12 @@ def test_multi_rank_launches_fall_back_to_cpu_ranks_below_two_gpus(path):
 
     code = "\n".join(_source(c) for c in _cells(path)
                      if c["cell_type"] == "code" and not _source(c).startswith("%%"))
-    assert 'DEVICE = "auto" if GPUS >= 2 else "cpu"' in code
-    calls = [node for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Call)
+    tree = ast.parse(code)
+    choices = [ast.unparse(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+               and [ast.unparse(t) for t in node.targets] == ["DEVICE"]]
+    assert len(choices) == 1 and _falls_back_below_two_gpus(choices[0]), (
+        f"{path.name}: DEVICE = {choices}; expected DEVICE = labkit.lesson_device()")
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
              and ast.unparse(node.func) in ("labkit.launch", "labkit.sweep")]
     at_nproc = [c for c in calls if any(k.arg in ("nproc", "nprocs") and "1" != ast.unparse(k.value)
                                         for k in c.keywords)]
