@@ -50,7 +50,14 @@ MISMATCH_ADVICE = ("every rank must call the same collectives in the same order,
 
 
 class LabkitError(Exception):
-    """Base class of every error that labkit raises itself."""
+    """Base class of every error that labkit raises itself.
+
+    Attributes:
+        sweep: when a run of ``labkit.sweep`` failed, the Sweep it stopped, holding the runs
+            that finished before it (``err.sweep.runs``); None otherwise.
+    """
+
+    sweep = None
 
 
 class ScriptError(LabkitError):
@@ -265,3 +272,4 @@ class LaunchTimeout(LaunchError):
         if self.hint:
             parts.append(f"HINT: {self.hint}")
         return "\n".join(parts)
+

@@ -79,3 +79,13 @@ def test_a_timeout_with_ranks_in_different_collectives_names_the_mismatch():
         {0: "x.py:6 in <module>, inside all_reduce (distributed_c10d.py)", 1: "x.py:9 in <module>"})
     assert "HINT: the ranks wait in different places" in str(
         LaunchTimeout("run 'x' passed its timeout.", stacks=stacks, hint=hint))
+
+
+def test_sweep_is_declared_and_none_outside_a_sweep():
+    """labkit.sweep sets .sweep on the error of the run that stopped it (test_sweep checks the
+    runs it holds); any other error says None rather than lacking the attribute."""
+    from labkit import LabkitError, NoMetricsError
+
+    assert LabkitError("x").sweep is None and NoMetricsError("x").sweep is None
+    assert LaunchError("failed").sweep is None and LaunchTimeout("timed out").sweep is None
+
