@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 
 from labkit import _hardware, _proc, _rundir, _supervise
-from labkit._errors import LaunchError, LaunchTimeout, failure_hint, timeout_hint
+from labkit._errors import LaunchError, LaunchTimeout, failure_hint, hide_labkit_frames, timeout_hint
 from labkit._live import LiveView
 from labkit._plan import Plan, check_env, plan, refuse_keywords
 from labkit._run import Run
@@ -206,13 +206,20 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
                 stacks = _supervise.read_stacks(marks, p.script)
                 break
             time.sleep(_POLL_S)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
+        # The learner pressed stop: say so first, in one line, before the traceback; what the
+        # ranks print while they shut down stays in their logs.
+        __tracebackhide__ = True  # IPython leaves this poll loop out of the traceback it shows
         status = "interrupted"
+        running = len(_supervise.live_ranks(run_dir))
+        _supervise.stop(proc, run_dir)
+        print(f"interrupted: {running} rank{'' if running == 1 else 's'} stopped, run folder {run_dir}")
+        hide_labkit_frames(interrupt)
         raise
     finally:
         _supervise.stop(proc, run_dir)
         log.close()
-        streams.finish()
+        streams.finish(show=status != "interrupted")
         sys.stdout.flush()
         if status == "running":
             status = "ok" if proc.returncode == 0 else "failed"

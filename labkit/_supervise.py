@@ -76,8 +76,11 @@ class Streams:
         for line in self._torchrun.new_lines():
             self._torchrun_line(line)
 
-    def finish(self) -> None:
-        """Read what is left, including unfinished last lines."""
+    def finish(self, *, show: bool = True) -> None:
+        """Read what is left, including unfinished last lines. ``show=False`` reads it without
+        printing it (an interrupted run: the rank logs keep it)."""
+        if not show:
+            self.emit = lambda line: None
         self.poll(final=True)
         rest = self._torchrun.rest()
         if rest:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -526,20 +527,87 @@ def test_no_rank_outlives_its_launcher(workdir, write_script, sig):
         labkit.launch("sleeper.py", nproc=2, timeout=300)
     """, cwd=workdir)
     try:
-        deadline = time.monotonic() + 60
-        run_dir = None
-        while time.monotonic() < deadline:
-            found = list((workdir / "runs").glob("*/pids/rank1.json")) if (workdir / "runs").exists() else []
-            if found and len(list(found[0].parent.glob("rank*.json"))) == 2:
-                run_dir = found[0].parent.parent
-                break
-            time.sleep(0.2)
+        run_dir = started_run(workdir / "runs", 2)
         assert run_dir is not None, "the ranks never started"
         launcher.send_signal(sig)
         assert all_gone(run_dir, timeout=10), f"processes of {run_dir} outlived a {sig.name}"
     finally:
         launcher.kill()
         launcher.wait()
+
+
+def started_run(root: Path, nproc: int, timeout: float = 60) -> Path | None:
+    """The run folder under ``root`` (in a sweep's folder too) once its ``nproc`` ranks have
+    recorded their pids; None if they never do."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pids in sorted(root.rglob("pids")) if root.exists() else ():
+            if len(list(pids.glob("rank*.json"))) == nproc:
+                return pids.parent
+        time.sleep(0.2)
+    return None
+
+
+INTERRUPTED = re.compile(r"^interrupted: .*$", re.MULTILINE)
+
+
+@pytest.mark.launch
+def test_an_interrupted_launch_says_what_it_stopped_then_shows_only_the_learners_frames(
+        workdir, write_script):
+    """JupyterLab's interrupt button: one plain line first, then IPython's traceback of the
+    learner's cell, without labkit's wrapper or poll loop; the cell stops, no rank is left."""
+    write_script("sleeper.py", SLEEPER)
+    launcher = python("""
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        from IPython.core.interactiveshell import InteractiveShell
+        InteractiveShell.instance().run_cell(
+            'import labkit\\nrun = labkit.launch("sleeper.py", nproc=2, timeout=300)\\nprint("not " + "reached")')
+        print("the kernel goes on", flush=True)
+    """, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        run_dir = started_run(workdir / "runs", 2)
+        assert run_dir is not None, "the ranks never started"
+        launcher.send_signal(signal.SIGINT)
+        out, _ = launcher.communicate(timeout=60)
+        assert all_gone(run_dir), f"processes of {run_dir} outlived the interrupt"
+    finally:
+        launcher.kill()
+        launcher.wait()
+    out = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    assert INTERRUPTED.findall(out) == [
+        f"interrupted: 2 ranks stopped, run folder {run_dir.relative_to(workdir)}"], out
+    after = out[INTERRUPTED.search(out).end():]
+    assert not re.search(r"^\[(rank\d+|torchrun)\]", after, re.MULTILINE), (
+        "what the ranks print while they stop belongs in their logs, not after the line:\n" + after)
+    assert "KeyboardInterrupt" in after and "Cell In[1], line 2" in after, after
+    assert "_launch.py" not in after and "_plan.py" not in after, after
+    assert "not reached" not in out and out.rstrip().endswith("the kernel goes on")
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+
+
+@pytest.mark.launch
+def test_an_interrupted_sweep_stops_too(workdir, write_script):
+    write_script("sleeper.py", SLEEPER)
+    launcher = python("""
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        import labkit
+        labkit.sweep("sleeper.py", nprocs=[1, 2], repeats=1, timeout=300)
+    """, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run_dir = started_run(workdir / "runs", 1)
+        assert run_dir is not None, "the first run never started"
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=60)
+        assert all_gone(run_dir), f"processes of {run_dir} outlived the interrupt"
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert INTERRUPTED.findall(out) == [
+        f"interrupted: 1 rank stopped, run folder {run_dir.relative_to(workdir)}"], out
+    assert launcher.returncode != 0 and err.rstrip().endswith("KeyboardInterrupt"), err
+    assert [p.name for p in run_dir.parent.iterdir()] == [run_dir.name], "the sweep went on"
 
 
 @pytest.mark.launch
