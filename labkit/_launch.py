@@ -143,7 +143,8 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
             file or does not compile, a bad nproc (more than 4 CPU ranks per core, too), ...
         LaunchError: a rank failed (root cause first, with its traceback).
         LaunchTimeout: the run passed ``timeout``; says where each rank was.
-        KeyboardInterrupt: you interrupted it; every rank has been stopped.
+        KeyboardInterrupt: you interrupted it; every rank has been stopped, and one line said
+            how many and where the run folder is.
 
     Example (lesson 02)::
 

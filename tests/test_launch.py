@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -518,22 +519,10 @@ def test_restarts_resume_and_are_stamped(workdir, write_script):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_no_rank_outlives_its_launcher(workdir, write_script, sig):
     write_script("sleeper.py", SLEEPER)
-    # SIGINT raises KeyboardInterrupt, as in a Jupyter kernel. Said explicitly: a test suite
-    # started in the background of a shell without job control inherits SIGINT ignored.
-    launcher = python("""
-        import signal
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal_launcher(workdir, """
         import labkit
         labkit.launch("sleeper.py", nproc=2, timeout=300)
-    """, cwd=workdir)
-    try:
-        run_dir = started_run(workdir / "runs", 2)
-        assert run_dir is not None, "the ranks never started"
-        launcher.send_signal(sig)
-        assert all_gone(run_dir, timeout=10), f"processes of {run_dir} outlived a {sig.name}"
-    finally:
-        launcher.kill()
-        launcher.wait()
+    """, nproc=2, sig=sig)
 
 
 def started_run(root: Path, nproc: int, timeout: float = 60) -> Path | None:
@@ -551,30 +540,41 @@ def started_run(root: Path, nproc: int, timeout: float = 60) -> Path | None:
 INTERRUPTED = re.compile(r"^interrupted: .*$", re.MULTILINE)
 
 
+def signal_launcher(workdir: Path, code: str, nproc: int, sig: int = signal.SIGINT
+                    ) -> tuple[Path, subprocess.CompletedProcess]:
+    """Run ``code`` (a launch) in a process of its own and send it ``sig`` once ``nproc`` ranks
+    run (SIGINT raises KeyboardInterrupt, as JupyterLab's interrupt button does in a kernel).
+    Asserts that no process of the run is left 10 s later; returns the run folder and what the
+    launching process printed."""
+    # Said explicitly: a test suite started in the background of a shell without job control
+    # inherits SIGINT ignored.
+    code = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n" + textwrap.dedent(code)
+    launcher = python(code, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run_dir = started_run(workdir / "runs", nproc)
+        assert run_dir is not None, "the ranks never started"
+        launcher.send_signal(sig)
+        assert all_gone(run_dir, timeout=10), f"processes of {run_dir} outlived a {signal.Signals(sig).name}"
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    return run_dir, subprocess.CompletedProcess(launcher.args, launcher.returncode, out, err)
+
+
 @pytest.mark.launch
 def test_an_interrupted_launch_says_what_it_stopped_then_shows_only_the_learners_frames(
         workdir, write_script):
     """JupyterLab's interrupt button: one plain line first, then IPython's traceback of the
     learner's cell, without labkit's wrapper or poll loop; the cell stops, no rank is left."""
     write_script("sleeper.py", SLEEPER)
-    launcher = python("""
-        import signal
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    run_dir, done = signal_launcher(workdir, """
         from IPython.core.interactiveshell import InteractiveShell
         InteractiveShell.instance().run_cell(
             'import labkit\\nrun = labkit.launch("sleeper.py", nproc=2, timeout=300)\\nprint("not " + "reached")')
         print("the kernel goes on", flush=True)
-    """, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        run_dir = started_run(workdir / "runs", 2)
-        assert run_dir is not None, "the ranks never started"
-        launcher.send_signal(signal.SIGINT)
-        out, _ = launcher.communicate(timeout=60)
-        assert all_gone(run_dir), f"processes of {run_dir} outlived the interrupt"
-    finally:
-        launcher.kill()
-        launcher.wait()
-    out = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    """, nproc=2)
+    out = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout)
     assert INTERRUPTED.findall(out) == [
         f"interrupted: 2 ranks stopped, run folder {run_dir.relative_to(workdir)}"], out
     after = out[INTERRUPTED.search(out).end():]
@@ -589,24 +589,13 @@ def test_an_interrupted_launch_says_what_it_stopped_then_shows_only_the_learners
 @pytest.mark.launch
 def test_an_interrupted_sweep_stops_too(workdir, write_script):
     write_script("sleeper.py", SLEEPER)
-    launcher = python("""
-        import signal
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    run_dir, done = signal_launcher(workdir, """
         import labkit
         labkit.sweep("sleeper.py", nprocs=[1, 2], repeats=1, timeout=300)
-    """, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        run_dir = started_run(workdir / "runs", 1)
-        assert run_dir is not None, "the first run never started"
-        launcher.send_signal(signal.SIGINT)
-        out, err = launcher.communicate(timeout=60)
-        assert all_gone(run_dir), f"processes of {run_dir} outlived the interrupt"
-    finally:
-        launcher.kill()
-        launcher.wait()
-    assert INTERRUPTED.findall(out) == [
-        f"interrupted: 1 rank stopped, run folder {run_dir.relative_to(workdir)}"], out
-    assert launcher.returncode != 0 and err.rstrip().endswith("KeyboardInterrupt"), err
+    """, nproc=1)
+    assert INTERRUPTED.findall(done.stdout) == [
+        f"interrupted: 1 rank stopped, run folder {run_dir.relative_to(workdir)}"], done.stdout
+    assert done.returncode != 0 and done.stderr.rstrip().endswith("KeyboardInterrupt"), done.stderr
     assert [p.name for p in run_dir.parent.iterdir()] == [run_dir.name], "the sweep went on"
 
 
