@@ -38,6 +38,7 @@ import uuid
 from pathlib import Path
 
 import labkit
+from labkit import _rundir
 
 import _machine
 
@@ -67,7 +68,7 @@ def replay(template: labkit.Run, folder: Path, *, entry_point: bool) -> float:
     argv = []
     for arg in template.info["argv"]:
         if arg.startswith("--log-dir="):
-            arg = f"--log-dir={folder / 'torchrun'}"
+            arg = f"--log-dir={_rundir.torchrun_dir(folder)}"
         elif arg.startswith("--rdzv-id="):
             arg = f"--rdzv-id={uuid.uuid4().hex[:12]}"
         argv.append(arg)
@@ -76,7 +77,7 @@ def replay(template: labkit.Run, folder: Path, *, entry_point: bool) -> float:
         del argv[i - 1:i + 1]  # "-m labkit._entry SCRIPT" -> "SCRIPT"
     # The environment run.json records, and unbuffered output, as labkit gives its ranks.
     env = dict(os.environ, **template.info["env"], PYTHONUNBUFFERED="1")
-    with open(folder / "torchrun.log", "wb") as log:
+    with open(folder / _rundir.TORCHRUN_LOG, "wb") as log:
         start = time.perf_counter()
         proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                               env=env)

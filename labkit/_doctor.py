@@ -96,11 +96,6 @@ def _topology() -> str | None:
         return None
 
 
-def cifar10_on_disk(data_dir: str | os.PathLike = "data") -> bool:
-    """True when torchvision's CIFAR-10 files are in ``data_dir``."""
-    return (Path(data_dir) / "cifar-10-batches-py" / "data_batch_1").is_file()
-
-
 def _data_dirs(data_dir) -> list[Path]:
     """Where lessons look for CIFAR-10: ``data/`` next to the notebook that runs (the folder a
     launch starts in), so both this folder's and the course's lesson folder's."""
@@ -183,6 +178,7 @@ def doctor(data_dir: str | os.PathLike | None = None, *, launch: bool = False) -
     import torch.distributed as dist
 
     from labkit._plan import default_nproc
+    from labkit.data import cifar10_on_disk  # torch is loaded by now; labkit.data needs it
 
     report = Report()
     add = report.checks.append

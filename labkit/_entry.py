@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
-import json
 import os
 import runpy
 import signal
@@ -36,16 +35,9 @@ import threading
 import time
 import traceback
 
-from labkit import _proc, metrics
+from labkit import _proc, _rundir, metrics
 
 _POLL_S = 0.5
-
-
-def _write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
 
 
 def _watch(parent_pid: int, launcher_pid: int | None, launcher_token: str | None) -> None:
@@ -170,15 +162,16 @@ def _record_failure(exc: BaseException, script: str, run_dir: str, rank: int, ex
     # torchrun's own format, so its summary shows the real cause too.
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
-        _write_json(
+        _rundir.write_json(
             error_file,
             {"message": {"message": message,
                          "extraInfo": {"py_callstack": text, "timestamp": str(int(now))}}},
         )
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    os.makedirs(os.path.join(run_dir, "errors"), exist_ok=True)
-    _write_json(
-        os.path.join(run_dir, "errors", f"rank{rank}-restart{restart}.json"),
+    path = _rundir.error_file(run_dir, rank, restart)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _rundir.write_json(
+        path,
         {"rank": rank, "restart": restart, "pid": os.getpid(), "time": now,
          "exit_code": exit_code, "type": type(exc).__name__,
          "message": message.split(": ", 1)[1], "traceback": text},
@@ -190,20 +183,19 @@ def main(argv: list[str]) -> int:
         print("usage: python -m labkit._entry SCRIPT [ARGS...]", file=sys.stderr)
         return 2
     script = argv[0]
-    run_dir = os.environ.get(metrics.RUN_DIR_ENV, "")
+    run_dir = _rundir.from_env()
     rank = int(os.environ.get("RANK", "0"))
 
     if run_dir:
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
-        pid_dir = os.path.join(run_dir, "pids")
-        os.makedirs(pid_dir, exist_ok=True)
-        _write_json(os.path.join(pid_dir, f"rank{rank}.json"),
-                    {"pid": os.getpid(), "token": _proc.process_token(os.getpid())})
-    launcher_pid = os.environ.get("LABKIT_LAUNCHER_PID")
+        pid_file = _rundir.pid_file(run_dir, rank)
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
+        _rundir.write_json(pid_file, {"pid": os.getpid(), "token": _proc.process_token(os.getpid())})
+    launcher_pid = os.environ.get(_proc.LAUNCHER_PID_ENV)
     threading.Thread(
         target=_watch,
         args=(os.getppid(), int(launcher_pid) if launcher_pid else None,
-              os.environ.get("LABKIT_LAUNCHER_TOKEN") or None),
+              os.environ.get(_proc.LAUNCHER_TOKEN_ENV) or None),
         name="labkit-watch",
         daemon=True,
     ).start()

@@ -9,13 +9,17 @@ The tree::
     └── NoMetricsError          a run logged no metrics, so there is nothing to chart
 
 Bad arguments are reported with Python's own ValueError, TypeError and
-FileNotFoundError, before anything is launched.
+FileNotFoundError, before anything is launched. An interrupted launch raises
+KeyboardInterrupt, after one line that says what was stopped.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 import signal
+import types
 from dataclasses import dataclass
 
 __all__ = [
@@ -50,7 +54,14 @@ MISMATCH_ADVICE = ("every rank must call the same collectives in the same order,
 
 
 class LabkitError(Exception):
-    """Base class of every error that labkit raises itself."""
+    """Base class of every error that labkit raises itself.
+
+    Attributes:
+        sweep: when a run of ``labkit.sweep`` failed, the Sweep it stopped, holding the runs
+            that finished before it (``err.sweep.runs``); None otherwise.
+    """
+
+    sweep = None
 
 
 class ScriptError(LabkitError):
@@ -265,3 +276,48 @@ class LaunchTimeout(LaunchError):
         if self.hint:
             parts.append(f"HINT: {self.hint}")
         return "\n".join(parts)
+
+
+# -- tracebacks ------------------------------------------------------------------------------
+_PACKAGE_DIR = os.path.dirname(os.path.realpath(__file__))
+
+
+def _labkit_frame(frame: types.FrameType) -> bool:
+    return os.path.realpath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep)
+
+
+def without_labkit_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """The traceback ``tb`` with every frame of labkit's own files left out."""
+    kept = []
+    while tb is not None:
+        if not _labkit_frame(tb.tb_frame):
+            kept.append(tb)
+        tb = tb.tb_next
+    out = None
+    for entry in reversed(kept):
+        out = types.TracebackType(out, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return out
+
+
+def _render_without_labkit(err: BaseException) -> list[str]:
+    from IPython import get_ipython
+
+    formatter = get_ipython().InteractiveTB
+    tb = err.__traceback__
+    if getattr(formatter, "skip_hidden", True):  # a user who asked for every frame gets them
+        tb = without_labkit_frames(tb)
+    return formatter.structured_traceback(type(err), err, tb)
+
+
+def hide_labkit_frames(err: BaseException) -> BaseException:
+    """Let IPython (Jupyter) show ``err`` without labkit's frames; returns ``err``.
+
+    IPython leaves out a frame whose locals set ``__tracebackhide__``, but never the innermost
+    one, and for an interrupted launch that is labkit's poll loop: plumbing, in the learner's
+    way. Before it formats an exception, IPython asks it for ``_render_traceback_()`` (its hook
+    for exceptions that format themselves), so ``err`` gets one that formats its traceback
+    without any frame from labkit's files: the learner's cell is the last frame shown. Plain
+    Python does not know the hook and prints every frame, as always.
+    """
+    err._render_traceback_ = functools.partial(_render_without_labkit, err)
+    return err

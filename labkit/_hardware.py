@@ -12,7 +12,8 @@ import os
 import shutil
 import socket
 import subprocess
-from dataclasses import dataclass
+import sys
+from dataclasses import asdict, dataclass
 
 SMOKE_ENV = "LABKIT_SMOKE"
 
@@ -90,6 +91,11 @@ def cpu_count() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def describe() -> dict:
+    """What a run or sweep records of this machine: CPU cores, platform and the visible GPUs."""
+    return {"cpu_count": cpu_count(), "platform": sys.platform, "gpus": [asdict(g) for g in gpus()]}
 
 
 def loopback_interface() -> str | None:

@@ -13,40 +13,14 @@ import uuid
 from importlib import metadata
 from pathlib import Path
 
-from labkit import _hardware, _proc, _supervise
-from labkit._errors import LaunchError, LaunchTimeout, failure_hint, timeout_hint
+from labkit import _hardware, _proc, _rundir, _supervise
+from labkit._errors import LaunchError, LaunchTimeout, failure_hint, hide_labkit_frames, timeout_hint
 from labkit._live import LiveView
 from labkit._plan import Plan, check_env, plan, refuse_keywords
 from labkit._run import Run
 
 _POLL_S = 0.05
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
-
-
-def make_run_dir(runs_dir, name: str, *, subfolders: bool = True) -> Path:
-    """Create ``runs_dir/<timestamp>-<name>`` (unique even for concurrent launches)."""
-    root = Path(runs_dir)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise PermissionError(f"no write permission on {root}")
-    except OSError as err:
-        raise PermissionError(
-            f"cannot write run folders under {root.resolve()}: {err}. "
-            f"HINT: pass runs_dir= a folder you can write to."
-        ) from None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for attempt in range(1000):
-        suffix = "" if attempt == 0 else f"-{attempt + 1}"
-        run_dir = root / f"{stamp}-{name}{suffix}"
-        try:
-            run_dir.mkdir()
-        except FileExistsError:
-            continue
-        for sub in ("metrics", "pids", "errors", "torchrun") if subfolders else ():
-            (run_dir / sub).mkdir()
-        return run_dir
-    raise RuntimeError(f"could not create a run folder under {root}")  # pragma: no cover
 
 
 def safe_name(name: str | None, script: str, nproc: int) -> str:
@@ -65,7 +39,7 @@ def torchrun_argv(p: Plan, run_dir: Path, run_id: str) -> list[str]:
         "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={run_id}",
         "--local-addr=127.0.0.1",  # the address ranks are told to meet at: loopback too
         f"--max-restarts={p.max_restarts}",
-        f"--log-dir={run_dir / 'torchrun'}", "--redirects=3",
+        f"--log-dir={_rundir.torchrun_dir(run_dir)}", "--redirects=3",
         "-m", "labkit._entry", p.script, *p.args,
     ]
 
@@ -73,9 +47,9 @@ def torchrun_argv(p: Plan, run_dir: Path, run_id: str) -> list[str]:
 def rank_env(p: Plan, run_dir: Path, extra: dict | None) -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(p.threads_per_rank)
-    env["LABKIT_RUN_DIR"] = str(run_dir.resolve())
-    env["LABKIT_LAUNCHER_PID"] = str(os.getpid())
-    env["LABKIT_LAUNCHER_TOKEN"] = _proc.process_token(os.getpid()) or ""
+    env[_rundir.RUN_DIR_ENV] = str(run_dir.resolve())
+    env[_proc.LAUNCHER_PID_ENV] = str(os.getpid())
+    env[_proc.LAUNCHER_TOKEN_ENV] = _proc.process_token(os.getpid()) or ""
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(
         [_PACKAGE_PARENT] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
@@ -169,7 +143,8 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
             file or does not compile, a bad nproc (more than 4 CPU ranks per core, too), ...
         LaunchError: a rank failed (root cause first, with its traceback).
         LaunchTimeout: the run passed ``timeout``; says where each rank was.
-        KeyboardInterrupt: you interrupted it; every rank has been stopped.
+        KeyboardInterrupt: you interrupted it; every rank has been stopped, and one line said
+            how many and where the run folder is.
 
     Example (lesson 02)::
 
@@ -179,7 +154,7 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
              device=device, threads_per_rank=threads_per_rank)
     env = check_env(env)
     name = safe_name(name, p.script, p.nproc)
-    run_dir = make_run_dir(runs_dir, name)
+    run_dir = _rundir.create(runs_dir, name)
     run_id = uuid.uuid4().hex[:12]
     argv = torchrun_argv(p, run_dir, run_id)
     rank_environment = rank_env(p, run_dir, env)
@@ -198,8 +173,7 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
                 if k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME",
                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "LABKIT_SMOKE", *(env or {}))},
         "versions": _versions(), "git_commit": _git_commit(),
-        "hardware": {"cpu_count": _hardware.cpu_count(), "platform": sys.platform,
-                     "gpus": [g.__dict__ for g in _hardware.gpus()]},
+        "hardware": _hardware.describe(),
         "status": "running",
     })
     emit(f"$ {run.command}")
@@ -211,7 +185,7 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
 
     live = LiveView(run_dir, name, p.nproc, enabled=not quiet)
     streams = _supervise.Streams(run_dir, emit)
-    log = open(run_dir / "torchrun.log", "wb")
+    log = open(run_dir / _rundir.TORCHRUN_LOG, "wb")
     start = time.monotonic()
     run.info["start_time"] = time.time()
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -233,13 +207,20 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
                 stacks = _supervise.read_stacks(marks, p.script)
                 break
             time.sleep(_POLL_S)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
+        # The learner pressed stop: say so first, in one line, before the traceback; what the
+        # ranks print while they shut down stays in their logs.
+        __tracebackhide__ = True  # IPython leaves this poll loop out of the traceback it shows
         status = "interrupted"
+        running = len(_supervise.live_ranks(run_dir))
+        _supervise.stop(proc, run_dir)
+        print(f"interrupted: {running} rank{'' if running == 1 else 's'} stopped, run folder {run_dir}")
+        hide_labkit_frames(interrupt)
         raise
     finally:
         _supervise.stop(proc, run_dir)
         log.close()
-        streams.finish()
+        streams.finish(show=status != "interrupted")
         sys.stdout.flush()
         if status == "running":
             status = "ok" if proc.returncode == 0 else "failed"
@@ -272,7 +253,7 @@ def _conclude(run: Run, streams, stacks: dict, emit) -> Run:
     if failures:
         hint = failure_hint(failures)
     else:
-        hint = f"no rank recorded an error; torchrun's own log is {run.run_dir / 'torchrun.log'}."
+        hint = f"no rank recorded an error; torchrun's own log is {run.run_dir / _rundir.TORCHRUN_LOG}."
     restarted = f" after {restarts} restart(s)" if restarts else ""
     raise LaunchError(
         f"run '{run.name}' failed{restarted}: torchrun exited with code {run.returncode}.",

@@ -14,6 +14,7 @@ import io
 import time
 from pathlib import Path
 
+from labkit import _rundir
 from labkit._tail import LineTail, parse_records
 
 _MIN_INTERVAL_S = 0.5   # at most two updates a second
@@ -51,7 +52,7 @@ class LiveView:
 
     # -- data -------------------------------------------------------------------
     def _read(self) -> None:
-        for path in sorted((self.run_dir / "metrics").glob("rank*.jsonl")):
+        for path in _rundir.metrics_files(self.run_dir):
             tail = self._tails.setdefault(str(path), LineTail(path))
             found, _ = parse_records(tail.new_lines())
             if found:
@@ -100,7 +101,7 @@ class LiveView:
         for rank in ranks:
             curve = metric_curve(df[df["rank"] == rank], x="step", y="loss")
             draw_curve(ax, curve, label=f"rank {rank}", mark_restarts=rank == ranks[0])
-        ax.set_xlabel("optimiser step")
+        ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss (each rank's own batches)" if len(ranks) > 1 else "loss")
         ax.grid(alpha=0.3)
         if len(ranks) > 1:

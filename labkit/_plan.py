@@ -226,6 +226,7 @@ def refuse_keywords(**messages):
     def decorate(func):
         @functools.wraps(func)
         def checked(*args, **kwargs):
+            __tracebackhide__ = True  # IPython leaves this wrapper out of the learner's tracebacks
             for key in messages:
                 if key in kwargs:
                     raise TypeError(f"{func.__name__}() got an unexpected keyword argument "

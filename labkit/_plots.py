@@ -5,7 +5,7 @@ from __future__ import annotations
 from labkit._errors import NoMetricsError
 
 _X_LABELS = {
-    "step": "optimiser step",
+    "step": "optimizer step",
     "samples": "samples seen (all ranks)",
     "time": "seconds since launch",
 }
@@ -147,7 +147,7 @@ def plot_throughput(run, *, warmup_windows: int = 1, ax=None, title: str | None 
     rate = run.throughput(warmup_windows=warmup_windows)
     per_rank = rate / max(1, windows["rank"].nunique())
     ax.axhline(per_rank, color="k", lw=1, ls="--", label=f"median: {per_rank:,.0f} samples/s per rank")
-    ax.set_xlabel("optimiser step (end of window)")
+    ax.set_xlabel("optimizer step (end of window)")
     ax.set_ylabel("samples/s (one rank)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)

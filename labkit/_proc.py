@@ -11,6 +11,10 @@ import signal
 import sys
 from pathlib import Path
 
+#: The launching kernel's pid and process token, which every rank watches (see _entry).
+LAUNCHER_PID_ENV = "LABKIT_LAUNCHER_PID"
+LAUNCHER_TOKEN_ENV = "LABKIT_LAUNCHER_TOKEN"
+
 
 def process_token(pid: int) -> str | None:
     """Return a string that identifies *this* incarnation of ``pid``.

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 from pathlib import Path
 
+from labkit import _rundir
 from labkit._errors import LabkitError, NoMetricsError
 from labkit._tail import LineTail, parse_records
 
@@ -22,13 +21,6 @@ def new_folder(folder: str | os.PathLike) -> Path:
                               f"nothing was overwritten.")
     target.mkdir(parents=True, exist_ok=True)
     return target
-
-
-def rank_log_paths(run_dir: Path, rank: int) -> list[Path]:
-    """The rank's stdout files, one per torchrun attempt, oldest first."""
-    pattern = os.path.join(run_dir, "torchrun", "*", "attempt_*", str(rank), "stdout.log")
-    return sorted((Path(p) for p in glob.glob(pattern)),
-                  key=lambda p: int(p.parent.parent.name.split("_")[1]))
 
 
 class Run:
@@ -64,12 +56,8 @@ class Run:
     def data(self) -> str | None:
         """The data set the run trained on, "CIFAR-10" or "synthetic", as rank 0 noted it when it
         called ``labkit.data.get_datasets``; None for a script that did not."""
-        from labkit.data import DATA_FILE
-
-        try:
-            return json.loads((self.run_dir / DATA_FILE).read_text()).get("source")
-        except (OSError, ValueError, AttributeError):
-            return None
+        note = _rundir.read_data_note(self.run_dir)
+        return None if note is None else note.get("source")
 
     @property
     def caption(self) -> str:
@@ -88,14 +76,9 @@ class Run:
         Raises:
             FileNotFoundError: ``path`` is not a run folder (no run.json in it).
         """
-        run_dir = Path(path)
-        meta = run_dir / "run.json"
-        if not meta.is_file():
-            raise FileNotFoundError(
-                f"{run_dir} is not a run folder: it has no run.json. "
-                f"HINT: pass a folder under runs/, e.g. the one printed by labkit.launch."
-            )
-        return cls(run_dir, json.loads(meta.read_text()))
+        return cls(path, _rundir.read_info(
+            path, _rundir.RUN_INFO, kind="run",
+            hint="pass a folder under runs/, e.g. the one printed by labkit.launch."))
 
     def export(self, folder: str | os.PathLike) -> "Run":
         """Copy what the charts need (run.json, the data note and every rank's metrics) to ``folder``.
@@ -115,22 +98,18 @@ class Run:
             run.export("reference/02-ddp-8xH100")
         """
         target = new_folder(folder)
-        (target / "metrics").mkdir()
-        for path in sorted((self.run_dir / "metrics").glob("rank*.jsonl")):
-            (target / "metrics" / path.name).write_bytes(path.read_bytes())
-        from labkit.data import DATA_FILE
-
-        if (self.run_dir / DATA_FILE).is_file():
-            (target / DATA_FILE).write_bytes((self.run_dir / DATA_FILE).read_bytes())
-        info = dict(self.info, exported_from=str(self.run_dir))
-        (target / "run.json").write_text(json.dumps(info, indent=2, default=str))
+        (target / _rundir.METRICS).mkdir()
+        for path in _rundir.metrics_files(self.run_dir):
+            (target / _rundir.METRICS / path.name).write_bytes(path.read_bytes())
+        data_note = self.run_dir / _rundir.DATA_FILE
+        if data_note.is_file():
+            (target / _rundir.DATA_FILE).write_bytes(data_note.read_bytes())
+        Run(target, dict(self.info, exported_from=str(self.run_dir))).save_info()
         return Run.load(target)
 
     def save_info(self) -> None:
         """Write run.json atomically (the launcher calls this at start and end)."""
-        tmp = self.run_dir / "run.json.tmp"
-        tmp.write_text(json.dumps(self.info, indent=2, default=str))
-        os.replace(tmp, self.run_dir / "run.json")
+        _rundir.write_json(self.run_dir / _rundir.RUN_INFO, self.info, indent=2)
 
     # -- what the ranks left ----------------------------------------------------------
     def metrics(self):
@@ -146,7 +125,7 @@ class Run:
         import pandas as pd
 
         records, skipped = [], 0
-        for path in sorted((self.run_dir / "metrics").glob("rank*.jsonl")):
+        for path in _rundir.metrics_files(self.run_dir):
             tail = LineTail(path)
             lines = tail.new_lines()
             found, bad = parse_records(lines)
@@ -154,7 +133,7 @@ class Run:
             skipped += bad + (1 if tail.rest().strip() else 0)
         if not records:
             raise NoMetricsError(
-                f"run '{self.name}' logged no metrics ({self.run_dir / 'metrics'} is empty). "
+                f"run '{self.name}' logged no metrics ({self.run_dir / _rundir.METRICS} is empty). "
                 f"HINT: call `metrics.log(step, loss=...)` from the script (from labkit import metrics)."
             )
         df = pd.DataFrame.from_records(records)
@@ -188,7 +167,8 @@ class Run:
 
     def output(self, rank: int = 0) -> str:
         """Everything ``rank`` printed, over all restarts."""
-        return "".join(p.read_text(errors="replace") for p in rank_log_paths(self.run_dir, rank))
+        return "".join(path.read_text(errors="replace")
+                       for _, r, path in _rundir.rank_logs(self.run_dir) if r == rank)
 
     def __repr__(self) -> str:
         wall = f"{self.wall_s:.1f} s" if isinstance(self.wall_s, (int, float)) else "?"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -13,11 +12,10 @@ import time
 from collections import deque
 from pathlib import Path
 
-from labkit import _proc
+from labkit import _proc, _rundir
 from labkit._errors import RankFailure
 from labkit._tail import LineTail as _LineTail
 
-_ATTEMPT_RE = re.compile(r"attempt_(\d+)[/\\](\d+)[/\\]stdout\.log$")
 # torchrun's own line for a worker that died without a Python exception (a signal, say).
 _TORCHRUN_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 # torchrun's closing summary lists every failed worker; the line above names only the first
@@ -47,7 +45,7 @@ class Streams:
         self.emit = emit
         self.show_torchrun = show_torchrun
         self._tails: dict[str, tuple[int, int, object]] = {}
-        self._torchrun = _LineTail(self.run_dir / "torchrun.log")
+        self._torchrun = _LineTail(self.run_dir / _rundir.TORCHRUN_LOG)
         self._torchrun_quiet = False
         self._attempts: set[int] = {0}
         self.recent: dict[int, deque] = {}
@@ -55,11 +53,9 @@ class Streams:
         self._script = ""
 
     def _discover(self) -> None:
-        pattern = os.path.join(self.run_dir, "torchrun", "*", "attempt_*", "*", "stdout.log")
-        for path in glob.glob(pattern):
-            match = _ATTEMPT_RE.search(path)
-            if match and path not in self._tails:
-                self._tails[path] = (int(match.group(2)), int(match.group(1)), _LineTail(path))
+        for attempt, rank, path in _rundir.rank_logs(self.run_dir):
+            if str(path) not in self._tails:
+                self._tails[str(path)] = (rank, attempt, _LineTail(path))
 
     def poll(self, *, final: bool = False) -> None:
         """Print what is new, attempt by attempt: an older attempt is over, so it is
@@ -80,8 +76,11 @@ class Streams:
         for line in self._torchrun.new_lines():
             self._torchrun_line(line)
 
-    def finish(self) -> None:
-        """Read what is left, including unfinished last lines."""
+    def finish(self, *, show: bool = True) -> None:
+        """Read what is left, including unfinished last lines. ``show=False`` reads it without
+        printing it (an interrupted run: the rank logs keep it)."""
+        if not show:
+            self.emit = lambda line: None
         self.poll(final=True)
         rest = self._torchrun.rest()
         if rest:
@@ -143,10 +142,10 @@ class Streams:
 def recorded_ranks(run_dir: Path) -> dict[int, tuple[int, str | None]]:
     """{rank: (pid, token)} as each rank's entry point recorded it (latest attempt)."""
     found = {}
-    for path in Path(run_dir, "pids").glob("rank*.json"):
+    for rank, path in _rundir.pid_files(run_dir).items():
         try:
             data = json.loads(path.read_text())
-            found[int(path.stem[4:])] = (int(data["pid"]), data.get("token"))
+            found[rank] = (int(data["pid"]), data.get("token"))
         except (ValueError, KeyError, OSError):
             continue
     return found
@@ -269,12 +268,12 @@ def read_stacks(marks: dict[int, tuple[str, int]], script: str) -> dict[int, str
 def collect_failures(run_dir: Path, streams: Streams) -> tuple[list[RankFailure], int]:
     """The failures of the last attempt, root cause first, and how many restarts happened."""
     records = []
-    for path in Path(run_dir, "errors").glob("rank*-restart*.json"):
+    for path in _rundir.error_files(run_dir):
         try:
             records.append(json.loads(path.read_text()))
         except (ValueError, OSError):
             continue
-    torchrun_log = Path(run_dir, "torchrun.log")
+    torchrun_log = Path(run_dir, _rundir.TORCHRUN_LOG)
     text = torchrun_log.read_text(errors="replace") if torchrun_log.exists() else ""
     signalled = {int(rank): int(code) for code, rank in _TORCHRUN_FAILED_RE.findall(text)}
     signalled.update({int(rank): int(code) for rank, code in _TORCHRUN_SUMMARY_RE.findall(text)})

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from pathlib import Path
 
-from labkit import _hardware
+from labkit import _hardware, _rundir
 from labkit._errors import LabkitError
-from labkit._launch import launch, make_run_dir, safe_name
+from labkit._launch import launch, safe_name
 from labkit._plan import check_nproc, plan, refuse_keywords, resolve_device
 from labkit._live import in_notebook
 from labkit._run import Run, new_folder
@@ -51,15 +50,11 @@ class Sweep:
         Raises:
             FileNotFoundError: ``path`` is not a sweep folder (no sweep.json in it).
         """
-        sweep_dir = Path(path)
-        meta = sweep_dir / "sweep.json"
-        if not meta.is_file():
-            raise FileNotFoundError(
-                f"{sweep_dir} is not a sweep folder: it has no sweep.json. HINT: pass the folder "
-                f"that labkit.sweep printed (runs/<time>-sweep-<name>); a single run loads with "
-                f"labkit.Run.load.")
-        info = json.loads(meta.read_text())
-        return cls(sweep_dir, info, [Run.load(sweep_dir / d) for d in info["runs"]])
+        info = _rundir.read_info(
+            path, _rundir.SWEEP_INFO, kind="sweep",
+            hint="pass the folder that labkit.sweep printed (runs/<time>-sweep-<name>); a single "
+                 "run loads with labkit.Run.load.")
+        return cls(path, info, [Run.load(Path(path, d)) for d in info["runs"]])
 
     def export(self, folder: str | os.PathLike) -> "Sweep":
         """Copy the sweep (sweep.json and each run's ``Run.export``) to ``folder``, to ship it.
@@ -70,8 +65,11 @@ class Sweep:
         target = new_folder(folder)
         for run in self.runs:
             run.export(target / run.run_dir.name)
-        (target / "sweep.json").write_text(json.dumps(self.info, indent=2))
+        self._save_info(target)
         return Sweep.load(target)
+
+    def _save_info(self, folder: Path) -> None:
+        _rundir.write_json(Path(folder, _rundir.SWEEP_INFO), self.info, indent=2)
 
     def table(self):
         """nproc, samples/s (median, min, max over repeats), speedup and efficiency.
@@ -143,12 +141,11 @@ def sweep(script, *, nprocs, repeats=3, args=(), device="auto", threads_per_rank
         plan(script, nproc=n, args=args, timeout=timeout, device=device,
              threads_per_rank=threads_per_rank)
     name = safe_name(Path(os.fspath(script)).stem if name is None else name, os.fspath(script), 0)
-    sweep_dir = make_run_dir(runs_dir, f"sweep-{name}", subfolders=False)
+    sweep_dir = _rundir.create(runs_dir, f"sweep-{name}", subfolders=False)
     info = {"name": name, "script": os.fspath(script), "args": [str(a) for a in args],
             "nprocs": nprocs, "repeats": repeats, "device": kind,
             "threads_per_rank": threads_per_rank,
-            "hardware": {"cpu_count": _hardware.cpu_count(),
-                         "gpus": [g.__dict__ for g in _hardware.gpus()]},
+            "hardware": _hardware.describe(),
             "runs": []}
     result = Sweep(sweep_dir, info, [])
     handle = None
@@ -167,13 +164,13 @@ def sweep(script, *, nprocs, repeats=3, args=(), device="auto", threads_per_rank
                              threads_per_rank=threads_per_rank, name=label, runs_dir=sweep_dir,
                              quiet=True)
             except LabkitError as err:
-                err.sweep = result  # the runs that did finish stay usable
+                err.sweep = result  # the runs that did finish stay usable (LabkitError.sweep)
                 print(f"sweep {name} stopped at run {len(result.runs) + 1}/{total}; the runs before it "
                       f"are in {sweep_dir} (labkit.Sweep.load reads them)")
                 raise
             result.runs.append(run)
             info["runs"].append(run.run_dir.name)
-            (sweep_dir / "sweep.json").write_text(json.dumps(info, indent=2))
+            result._save_info(sweep_dir)
             try:
                 speed = f"{run.throughput():,.0f} samples/s"
             except LabkitError as err:  # e.g. too few windows: sweep.table() will say so again

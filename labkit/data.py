@@ -15,7 +15,6 @@ set you got, and why.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 from torch.utils.data import Dataset, Subset
+
+from labkit import _rundir
 
 __all__ = ["DataSets", "SyntheticCIFAR", "get_datasets", "CIFAR_MEAN", "CIFAR_STD"]
 
@@ -110,8 +111,9 @@ def _render(patterns: torch.Tensor, labels: torch.Tensor, gen: torch.Generator) 
     return ((x * 0.22 + 0.48).clamp(0, 1) * 255).round().to(torch.uint8)
 
 
-def _cifar_on_disk(root: Path) -> bool:
-    return (root / "cifar-10-batches-py" / "data_batch_1").is_file()
+def cifar10_on_disk(data_dir: str | os.PathLike = "data") -> bool:
+    """True when torchvision's CIFAR-10 files are in ``data_dir`` (``labkit.doctor`` asks too)."""
+    return (Path(data_dir) / "cifar-10-batches-py" / "data_batch_1").is_file()
 
 
 def _try_download(root: Path) -> str | None:
@@ -160,7 +162,7 @@ def get_datasets(data_dir: str | os.PathLike = "data", *, synthetic: bool = Fals
     """
     root = Path(data_dir)
     reason = "the script asked for it (synthetic=True, e.g. --synthetic)" if synthetic else None
-    if not synthetic and not _cifar_on_disk(root):
+    if not synthetic and not cifar10_on_disk(root):
         if not download:
             reason = f"CIFAR-10 is not in {root} and download=False"
         else:
@@ -171,7 +173,7 @@ def get_datasets(data_dir: str | os.PathLike = "data", *, synthetic: bool = Fals
             failure = _try_download(root) if first else None
             if shared:
                 dist.barrier()  # the others wait for rank 0's download
-            if not _cifar_on_disk(root):
+            if not cifar10_on_disk(root):
                 reason = f"CIFAR-10 could not be downloaded ({failure or 'see rank 0'})"
     if reason is None:
         import torchvision.transforms as T
@@ -197,21 +199,15 @@ def _sizes(train, test) -> str:
     return f"{len(train)} train / {len(test)} test image{'' if len(test) == 1 else 's'}"
 
 
-#: The file in a run folder that says which data the run trained on (``Run.data``).
-DATA_FILE = "data.json"
-
-
 def _noted(sets: DataSets) -> DataSets:
     """Under labkit.launch, rank 0 writes which data set it got into the run folder, so that a
     run (a reference run shipped to a workshop too) always says what it trained on."""
-    from labkit.metrics import RUN_DIR_ENV
-
-    run_dir = os.environ.get(RUN_DIR_ENV)
+    run_dir = _rundir.from_env()
     if run_dir and os.environ.get("RANK", "0") == "0":
         try:
-            Path(run_dir, DATA_FILE).write_text(
-                json.dumps({"source": sets.source, "description": sets.description,
-                            "train_size": len(sets.train), "test_size": len(sets.test)}) + "\n")
+            _rundir.write_json(Path(run_dir, _rundir.DATA_FILE),
+                               {"source": sets.source, "description": sets.description,
+                                "train_size": len(sets.train), "test_size": len(sets.test)})
         except OSError:  # the run folder is the launcher's; never fail training over a note
             pass
     return sets

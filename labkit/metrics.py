@@ -27,10 +27,10 @@ import os
 import threading
 import time
 
-__all__ = ["log", "flush", "enabled", "RUN_DIR_ENV"]
+from labkit import _rundir
+from labkit._rundir import RUN_DIR_ENV  # the variable labkit.launch sets to the run folder
 
-#: The environment variable labkit.launch sets to the run folder.
-RUN_DIR_ENV = "LABKIT_RUN_DIR"
+__all__ = ["log", "flush", "enabled", "RUN_DIR_ENV"]
 
 _FLUSH_EVERY_S = 0.5
 
@@ -79,24 +79,24 @@ _disabled = False
 
 def enabled() -> bool:
     """True when this process logs to a run folder (it runs under labkit.launch)."""
-    return bool(os.environ.get(RUN_DIR_ENV))
+    return _rundir.from_env() is not None
 
 
 def _open() -> _Sink | None:
     global _sink, _disabled
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    if not run_dir:
+    run_dir = _rundir.from_env()
+    if run_dir is None:
         _disabled = True
         return None
     rank = int(os.environ.get("RANK", "0"))
-    folder = os.path.join(run_dir, "metrics")
-    os.makedirs(folder, exist_ok=True)
+    path = _rundir.metrics_file(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
     stamp = {
         "rank": rank,
         "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     }
-    _sink = _Sink(os.path.join(folder, f"rank{rank}.jsonl"), stamp)
+    _sink = _Sink(path, stamp)
     atexit.register(flush)
     return _sink
 
@@ -119,7 +119,7 @@ def log(step: int, **values) -> None:
     """Append one line: this rank's ``values`` at ``step``.
 
     Args:
-        step: the optimiser step (an int); charts use it as their x axis.
+        step: the optimizer step (an int); charts use it as their x axis.
         **values: numbers to record, e.g. ``loss=0.71, samples=256``.
             ``samples`` means samples this rank processed since its previous
             ``log`` call; ``Run.throughput`` uses it.

@@ -79,3 +79,56 @@ def test_a_timeout_with_ranks_in_different_collectives_names_the_mismatch():
         {0: "x.py:6 in <module>, inside all_reduce (distributed_c10d.py)", 1: "x.py:9 in <module>"})
     assert "HINT: the ranks wait in different places" in str(
         LaunchTimeout("run 'x' passed its timeout.", stacks=stacks, hint=hint))
+
+
+def test_sweep_is_declared_and_none_outside_a_sweep():
+    """labkit.sweep sets .sweep on the error of the run that stopped it (test_sweep checks the
+    runs it holds); any other error says None rather than lacking the attribute."""
+    from labkit import LabkitError, NoMetricsError
+
+    assert LabkitError("x").sweep is None and NoMetricsError("x").sweep is None
+    assert LaunchError("failed").sweep is None and LaunchTimeout("timed out").sweep is None
+
+
+# -- what IPython shows ---------------------------------------------------------------------------
+def ipython_output(cell: str) -> str:
+    """What IPython prints for ``cell``, as a notebook would show it (colours stripped)."""
+    import re
+    import subprocess
+    import sys
+
+    code = ("from IPython.core.interactiveshell import InteractiveShell\n"
+            f"InteractiveShell.instance().run_cell({cell!r})\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return re.sub(r"\x1b\[[0-9;]*m", "", out.stdout)
+
+
+CALL_THROUGH_THE_WRAPPER = """
+from labkit._errors import hide_labkit_frames
+from labkit._plan import refuse_keywords
+
+def stop(error):
+    try:
+        raise error
+    except BaseException as err:
+        if HIDE:
+            hide_labkit_frames(err)
+        raise
+
+refuse_keywords(nprocs="")(stop)(ERROR)
+"""
+
+
+def test_ipython_leaves_the_keyword_wrapper_out_of_a_traceback():
+    shown = ipython_output(CALL_THROUGH_THE_WRAPPER.replace("HIDE", "False")
+                           .replace("ERROR", "ValueError('bad nproc')"))
+    assert "ValueError: bad nproc" in shown and "Cell In[1]" in shown
+    assert "_plan.py" not in shown and "skipping hidden 1 frame" in shown, shown
+
+
+def test_an_interrupt_shows_no_labkit_frame_in_ipython():
+    shown = ipython_output(CALL_THROUGH_THE_WRAPPER.replace("HIDE", "True")
+                           .replace("ERROR", "KeyboardInterrupt()"))
+    assert "KeyboardInterrupt" in shown and "Cell In[1]" in shown and "in stop" in shown
+    assert "_plan.py" not in shown and "hidden" not in shown, shown

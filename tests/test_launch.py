@@ -5,9 +5,11 @@ from __future__ import annotations
 import inspect
 import json
 import platform
+import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -517,29 +519,84 @@ def test_restarts_resume_and_are_stamped(workdir, write_script):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_no_rank_outlives_its_launcher(workdir, write_script, sig):
     write_script("sleeper.py", SLEEPER)
-    # SIGINT raises KeyboardInterrupt, as in a Jupyter kernel. Said explicitly: a test suite
-    # started in the background of a shell without job control inherits SIGINT ignored.
-    launcher = python("""
-        import signal
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal_launcher(workdir, """
         import labkit
         labkit.launch("sleeper.py", nproc=2, timeout=300)
-    """, cwd=workdir)
+    """, nproc=2, sig=sig)
+
+
+def started_run(root: Path, nproc: int, timeout: float = 60) -> Path | None:
+    """The run folder under ``root`` (in a sweep's folder too) once its ``nproc`` ranks have
+    recorded their pids; None if they never do."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pids in sorted(root.rglob("pids")) if root.exists() else ():
+            if len(list(pids.glob("rank*.json"))) == nproc:
+                return pids.parent
+        time.sleep(0.2)
+    return None
+
+
+INTERRUPTED = re.compile(r"^interrupted: .*$", re.MULTILINE)
+
+
+def signal_launcher(workdir: Path, code: str, nproc: int, sig: int = signal.SIGINT
+                    ) -> tuple[Path, subprocess.CompletedProcess]:
+    """Run ``code`` (a launch) in a process of its own and send it ``sig`` once ``nproc`` ranks
+    run (SIGINT raises KeyboardInterrupt, as JupyterLab's interrupt button does in a kernel).
+    Asserts that no process of the run is left 10 s later; returns the run folder and what the
+    launching process printed."""
+    # Said explicitly: a test suite started in the background of a shell without job control
+    # inherits SIGINT ignored.
+    code = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n" + textwrap.dedent(code)
+    launcher = python(code, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        run_dir = None
-        while time.monotonic() < deadline:
-            found = list((workdir / "runs").glob("*/pids/rank1.json")) if (workdir / "runs").exists() else []
-            if found and len(list(found[0].parent.glob("rank*.json"))) == 2:
-                run_dir = found[0].parent.parent
-                break
-            time.sleep(0.2)
+        run_dir = started_run(workdir / "runs", nproc)
         assert run_dir is not None, "the ranks never started"
         launcher.send_signal(sig)
-        assert all_gone(run_dir, timeout=10), f"processes of {run_dir} outlived a {sig.name}"
+        assert all_gone(run_dir, timeout=10), f"processes of {run_dir} outlived a {signal.Signals(sig).name}"
+        out, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
         launcher.wait()
+    return run_dir, subprocess.CompletedProcess(launcher.args, launcher.returncode, out, err)
+
+
+@pytest.mark.launch
+def test_an_interrupted_launch_says_what_it_stopped_then_shows_only_the_learners_frames(
+        workdir, write_script):
+    """JupyterLab's interrupt button: one plain line first, then IPython's traceback of the
+    learner's cell, without labkit's wrapper or poll loop; the cell stops, no rank is left."""
+    write_script("sleeper.py", SLEEPER)
+    run_dir, done = signal_launcher(workdir, """
+        from IPython.core.interactiveshell import InteractiveShell
+        InteractiveShell.instance().run_cell(
+            'import labkit\\nrun = labkit.launch("sleeper.py", nproc=2, timeout=300)\\nprint("not " + "reached")')
+        print("the kernel goes on", flush=True)
+    """, nproc=2)
+    out = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout)
+    assert INTERRUPTED.findall(out) == [
+        f"interrupted: 2 ranks stopped, run folder {run_dir.relative_to(workdir)}"], out
+    after = out[INTERRUPTED.search(out).end():]
+    assert not re.search(r"^\[(rank\d+|torchrun)\]", after, re.MULTILINE), (
+        "what the ranks print while they stop belongs in their logs, not after the line:\n" + after)
+    assert "KeyboardInterrupt" in after and "Cell In[1], line 2" in after, after
+    assert "_launch.py" not in after and "_plan.py" not in after, after
+    assert "not reached" not in out and out.rstrip().endswith("the kernel goes on")
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+
+
+@pytest.mark.launch
+def test_an_interrupted_sweep_stops_too(workdir, write_script):
+    write_script("sleeper.py", SLEEPER)
+    run_dir, done = signal_launcher(workdir, """
+        import labkit
+        labkit.sweep("sleeper.py", nprocs=[1, 2], repeats=1, timeout=300)
+    """, nproc=1)
+    assert INTERRUPTED.findall(done.stdout) == [
+        f"interrupted: 1 rank stopped, run folder {run_dir.relative_to(workdir)}"], done.stdout
+    assert done.returncode != 0 and done.stderr.rstrip().endswith("KeyboardInterrupt"), done.stderr
+    assert [p.name for p in run_dir.parent.iterdir()] == [run_dir.name], "the sweep went on"
 
 
 @pytest.mark.launch

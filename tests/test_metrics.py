@@ -77,10 +77,3 @@ def test_without_a_run_folder_it_writes_nothing(tmp_path):
                          text=True, check=True)
     assert out.stdout.strip() == "False"
     assert list(tmp_path.iterdir()) == []
-
-
-def test_importing_metrics_does_not_import_pandas_or_matplotlib():
-    code = ("import sys; from labkit import metrics; "
-            "print(sorted(m for m in ('pandas', 'matplotlib', 'torch') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
