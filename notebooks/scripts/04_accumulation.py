@@ -21,7 +21,7 @@ from labkit.models import SmallResNet
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--epochs", type=int, default=5)
 parser.add_argument("--batch-size", type=int, default=128, help="per rank and micro-step")
-parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimiser step")
+parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
 parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
                     help="scale --lr with the world size")
@@ -106,7 +106,7 @@ def evaluate() -> float:
 
 step = 0
 window_loss = torch.zeros((), device=device)
-step_loss = torch.zeros((), device=device)  # the loss of the optimiser step in progress
+step_loss = torch.zeros((), device=device)  # the loss of the optimizer step in progress
 for epoch in range(args.epochs):
     if sampler is not None and not args.no_set_epoch:
         sampler.set_epoch(epoch)  # without it, every epoch repeats the same order
@@ -114,12 +114,12 @@ for epoch in range(args.epochs):
         order = tuple(list(iter(sampler))[:16])  # this rank's first samples this epoch
         metrics.log(step, epoch=epoch, order_fingerprint=hash(order) % 1_000_000_007)
     epoch_start = time.perf_counter()
-    usable = len(train_loader) // args.accum_steps * args.accum_steps  # whole optimiser steps only
+    usable = len(train_loader) // args.accum_steps * args.accum_steps  # whole optimizer steps only
     for micro, (x, y) in enumerate(train_loader):
         if micro == usable:
             break
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        last = (micro + 1) % args.accum_steps == 0  # the micro-step that ends an optimiser step
+        last = (micro + 1) % args.accum_steps == 0  # the micro-step that ends an optimizer step
         quiet = ddp and not last and not args.sync_every_micro_step
         with model.no_sync() if quiet else nullcontext():  # no all-reduce: keep adding locally
             loss = F.cross_entropy(model(x), y)  # forward too: DDP prepares its hooks in forward
@@ -141,7 +141,7 @@ for epoch in range(args.epochs):
             window_loss.zero_()
             counter.reset()
     accuracy = evaluate()
-    mean_loss = last_step_loss.clone()  # the epoch's last optimiser step: all k micro-batches
+    mean_loss = last_step_loss.clone()  # the epoch's last optimizer step: all k micro-batches
     if ddp:
         dist.all_reduce(mean_loss)  # a sum (gloo has no average)...
         mean_loss /= world_size     # ...so divide by the number of ranks

@@ -68,7 +68,7 @@ train_loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sample
 
 
 def build(seed: int):
-    """The model, replicated (DDP) or sharded (FSDP2), and its optimiser."""
+    """The model, replicated (DDP) or sharded (FSDP2), and its optimizer."""
     torch.manual_seed(seed)  # the same initial weights for DDP and FSDP
     model = MLPStack(dim=args.dim, depth=args.depth).to(device)
     if fsdp:
@@ -131,10 +131,10 @@ for epoch in range(args.epochs):
         loss = F.cross_entropy(model(x), y)  # FSDP all-gathers each block's shards as it runs
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # FSDP reduce-scatters gradients: each rank keeps only its shard's
-        optimizer.step()  # each rank updates its own shard (and its own optimiser state)
+        optimizer.step()  # each rank updates its own shard (and its own optimizer state)
         window_loss += loss.detach()
         step += 1
-        if step == 1:  # gradients and optimiser state exist now: count what this rank holds
+        if step == 1:  # gradients and optimizer state exist now: count what this rank holds
             held = memory.model_bytes(model, optimizer)
             metrics.log(step, param_bytes=held.params, grad_bytes=held.grads,
                         optim_bytes=held.optimizer, **seen)
