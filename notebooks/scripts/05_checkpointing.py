@@ -36,8 +36,6 @@ parser.add_argument("--ckpt-dir", default="checkpoints/05", help="where checkpoi
 parser.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
 parser.add_argument("--crash-at-step", type=int, default=None, help="fault drill: crash there")
 parser.add_argument("--crash-rank", type=int, default=1, help="fault drill: the rank that crashes")
-parser.add_argument("--naive-save", action="store_true", help="pitfall: every rank saves the wrapper")
-parser.add_argument("--forget-sampler", action="store_true", help="pitfall: resume without the sampler")
 args = parser.parse_args()
 
 # --- the distributed part: torchrun starts one process per device ------------------------
@@ -130,10 +128,8 @@ if latest is not None:
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
     checkpoint.set_rng_state(state["rng"][rank])  # this rank's own streams
-    step = state["step"]
-    if not args.forget_sampler:
-        epoch = state["epoch"]
-        sampler.start = state["batch_in_epoch"] * args.batch_size  # the position in the epoch
+    step, epoch = state["step"], state["epoch"]
+    sampler.start = state["batch_in_epoch"] * args.batch_size  # the position in the epoch
     if master:
         print(f"resumed from {latest}: step {step}, epoch {epoch}, restart {restart}")
     metrics.log(step, resumed_from=state["step"])
@@ -185,10 +181,6 @@ while step < total_steps:  # a resumed run starts part-way: count steps, not epo
         if step % args.ckpt_every == 0:
             done = batch_in_epoch == steps_per_epoch  # an epoch ends: resume at the next one
             save_checkpoint(step, epoch + done, 0 if done else batch_in_epoch)
-            if args.naive_save:  # the pitfall: every rank, the wrapper, no temporary file
-                with open(os.path.join(args.ckpt_dir, "naive.pt"), "wb") as f:
-                    torch.save(model.state_dict(), f)
-                    metrics.log(step, naive_bytes_written=f.tell())
         if step == total_steps:
             break
     accuracy = evaluate()
