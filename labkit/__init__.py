@@ -50,6 +50,8 @@ _LAZY = {
     "Report": "labkit._doctor",
     "diff": "labkit._diff",
     "write_variant": "labkit._diff",
+    "try_load": "labkit._tryload",
+    "LoadReport": "labkit._tryload",
     "plot_loss": "labkit._plots",
     "plot_metric": "labkit._plots",
     "plot_speedup": "labkit._plots",

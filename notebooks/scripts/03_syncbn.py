@@ -3,7 +3,6 @@
 Run it:  torchrun --standalone --nproc-per-node=2 scripts/03_syncbn.py --synthetic --epochs 1
 """
 import argparse
-import math
 import os
 import time
 
@@ -22,9 +21,6 @@ parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--epochs", type=int, default=5)
 parser.add_argument("--batch-size", type=int, default=8, help="per rank: small, as with big images")
 parser.add_argument("--lr", type=float, default=0.05)
-parser.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
-                    help="scale --lr with the world size")
-parser.add_argument("--warmup-steps", type=int, default=0, help="ramp the lr up over this many steps")
 parser.add_argument("--width", type=int, default=32, help="channels of the first block")
 parser.add_argument("--norm", choices=["batch", "group"], default="batch",
                     help="group: GroupNorm, no statistics shared across a batch (lesson 02's proof)")
@@ -38,8 +34,6 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data-dir", default="data")
 parser.add_argument("--synthetic", action="store_true", help="the synthetic set, no CIFAR-10")
 parser.add_argument("--save", default=None, help="rank 0 saves the trained weights here")
-parser.add_argument("--no-sampler", action="store_true", help="pitfall: no DistributedSampler")
-parser.add_argument("--no-set-epoch", action="store_true", help="pitfall: never call set_epoch")
 args = parser.parse_args()
 
 # --- the distributed part: torchrun starts one process per device ------------------------
@@ -67,12 +61,14 @@ if master:
           f"global batch {args.batch_size * world_size}")
 
 # Each rank takes its own 1/world_size of every epoch, reshuffled per epoch by set_epoch.
-sampler = None if args.no_sampler else DistributedSampler(
-    data.train, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
+sampler = DistributedSampler(data.train, num_replicas=world_size, rank=rank, shuffle=True,
+                             seed=args.seed, drop_last=True)
+# Pinned (page-locked) host memory lets the copy to the GPU run asynchronously;
+# worker processes prepare the next batches while this one trains.
 pin = device.type == "cuda"
-train_loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
-                          shuffle=sampler is None, drop_last=True, num_workers=args.workers,
-                          persistent_workers=args.workers > 0, pin_memory=pin)
+train_loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                          num_workers=args.workers, persistent_workers=args.workers > 0,
+                          pin_memory=pin)
 test_shard = Subset(data.test, range(rank, len(data.test), world_size))  # no padding, no overlap
 test_loader = DataLoader(test_shard, batch_size=256, num_workers=args.workers, pin_memory=pin)
 
@@ -88,15 +84,11 @@ if ddp:
 if master:
     bn_batch = args.batch_size * (world_size if sync_bn != "none" else 1)
     print(f"BatchNorm ({sync_bn}): statistics over {bn_batch} samples, {args.batch_size} per rank")
-
-scale = {"none": 1.0, "linear": world_size, "sqrt": math.sqrt(world_size)}[args.lr_scaling]
-optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * scale, momentum=0.9, weight_decay=5e-4)
-scheduler = torch.optim.lr_scheduler.LambdaLR(
-    optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0)
+optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
 
 
 def evaluate() -> float:
-    model.eval()
+    model.eval()  # BatchNorm uses its running statistics, not the batch's
     counts = torch.zeros(2, device=device)  # correct, total: on this rank's shard
     with torch.no_grad():
         for x, y in test_loader:
@@ -109,28 +101,26 @@ def evaluate() -> float:
 
 
 step = 0
-window_loss = torch.zeros((), device=device)
+window_loss = torch.zeros((), device=device)  # summed on the device: no sync per step
 for epoch in range(args.epochs):
-    if sampler is not None and not args.no_set_epoch:
-        sampler.set_epoch(epoch)  # without it, every epoch repeats the same order
-    if sampler is not None:
-        order = tuple(list(iter(sampler))[:16])  # this rank's first samples this epoch
-        metrics.log(step, epoch=epoch, order_fingerprint=hash(order) % 1_000_000_007)
+    sampler.set_epoch(epoch)  # without it, every epoch repeats the same order
+    order = tuple(list(iter(sampler))[:16])  # this rank's first samples this epoch
+    metrics.log(step, epoch=epoch, order_fingerprint=hash(order) % 1_000_000_007)
     epoch_start = time.perf_counter()
     for x, y in train_loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP all-reduces gradients here, bucket by bucket, overlapped
+        optimizer.zero_grad(set_to_none=True)  # frees the old gradients instead of writing zeros
+        loss.backward()  # DDP all-reduces the gradients here, bucket by bucket, overlapped
         optimizer.step()
-        scheduler.step()
         window_loss += loss.detach()
         step += 1
         if step % args.log_every == 0:
+            # .item() waits for the device to finish: a sync point, once per window,
+            # so the time metrics.log stamps is when this window's work really ended.
             metrics.log(step, loss=(window_loss / args.log_every).item(),
                         samples=args.log_every * args.batch_size, epoch=epoch,
-                        lr=scheduler.get_last_lr()[0],  # and labkit.syncbn's all-reduces so far:
-                        bn_allreduces=sum(syncbn.allreduce_counts().values()))
+                        bn_allreduces=sum(syncbn.allreduce_counts().values()))  # labkit.syncbn's, so far
             window_loss.zero_()
     accuracy = evaluate()
     mean_loss = loss.detach().clone()

@@ -3,7 +3,6 @@
 Run it:  torchrun --standalone --nproc-per-node=2 scripts/04_accumulation.py --synthetic --accum-steps 4
 """
 import argparse
-import math
 import os
 import time
 from contextlib import nullcontext
@@ -21,11 +20,8 @@ from labkit.models import SmallResNet
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--epochs", type=int, default=5)
 parser.add_argument("--batch-size", type=int, default=128, help="per rank and micro-step")
-parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimiser step")
+parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
 parser.add_argument("--lr", type=float, default=0.05)
-parser.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
-                    help="scale --lr with the world size")
-parser.add_argument("--warmup-steps", type=int, default=0, help="ramp the lr up over this many steps")
 parser.add_argument("--width", type=int, default=32, help="channels of the first block")
 parser.add_argument("--norm", choices=["batch", "group"], default="batch",
                     help="group: GroupNorm, no statistics shared across a batch (lesson 02's proof)")
@@ -37,10 +33,6 @@ parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data-dir", default="data")
 parser.add_argument("--synthetic", action="store_true", help="the synthetic set, no CIFAR-10")
 parser.add_argument("--save", default=None, help="rank 0 saves the trained weights here")
-parser.add_argument("--no-sampler", action="store_true", help="pitfall: no DistributedSampler")
-parser.add_argument("--no-set-epoch", action="store_true", help="pitfall: never call set_epoch")
-parser.add_argument("--sync-every-micro-step", action="store_true", help="pitfall: no model.no_sync()")
-parser.add_argument("--no-loss-scale", action="store_true", help="pitfall: loss not divided by k")
 args = parser.parse_args()
 if args.accum_steps < 1:
     parser.error(f"--accum-steps must be >= 1, got {args.accum_steps}")
@@ -70,12 +62,14 @@ if master:
           f"micro-step(s) = effective batch {args.batch_size * world_size * args.accum_steps}")
 
 # Each rank takes its own 1/world_size of every epoch, reshuffled per epoch by set_epoch.
-sampler = None if args.no_sampler else DistributedSampler(
-    data.train, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
+sampler = DistributedSampler(data.train, num_replicas=world_size, rank=rank, shuffle=True,
+                             seed=args.seed, drop_last=True)
+# Pinned (page-locked) host memory lets the copy to the GPU run asynchronously;
+# worker processes prepare the next batches while this one trains.
 pin = device.type == "cuda"
-train_loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler,
-                          shuffle=sampler is None, drop_last=True, num_workers=args.workers,
-                          persistent_workers=args.workers > 0, pin_memory=pin)
+train_loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                          num_workers=args.workers, persistent_workers=args.workers > 0,
+                          pin_memory=pin)
 test_shard = Subset(data.test, range(rank, len(data.test), world_size))  # no padding, no overlap
 test_loader = DataLoader(test_shard, batch_size=256, num_workers=args.workers, pin_memory=pin)
 
@@ -84,15 +78,11 @@ counter = comm.AllReduceCounter()  # one process: nothing is all-reduced, it sta
 if ddp:
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     counter = comm.count_allreduces(model)  # counts DDP's gradient all-reduces, then does them
-
-scale = {"none": 1.0, "linear": world_size, "sqrt": math.sqrt(world_size)}[args.lr_scaling]
-optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * scale, momentum=0.9, weight_decay=5e-4)
-scheduler = torch.optim.lr_scheduler.LambdaLR(
-    optimizer, lambda s: min(1.0, (s + 1) / args.warmup_steps) if args.warmup_steps else 1.0)
+optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
 
 
 def evaluate() -> float:
-    model.eval()
+    model.eval()  # BatchNorm uses its running statistics, not the batch's
     counts = torch.zeros(2, device=device)  # correct, total: on this rank's shard
     with torch.no_grad():
         for x, y in test_loader:
@@ -105,43 +95,41 @@ def evaluate() -> float:
 
 
 step = 0
-window_loss = torch.zeros((), device=device)
-step_loss = torch.zeros((), device=device)  # the loss of the optimiser step in progress
+window_loss = torch.zeros((), device=device)  # summed on the device: no sync per step
+step_loss = torch.zeros((), device=device)  # the loss of the optimizer step in progress
 for epoch in range(args.epochs):
-    if sampler is not None and not args.no_set_epoch:
-        sampler.set_epoch(epoch)  # without it, every epoch repeats the same order
-    if sampler is not None:
-        order = tuple(list(iter(sampler))[:16])  # this rank's first samples this epoch
-        metrics.log(step, epoch=epoch, order_fingerprint=hash(order) % 1_000_000_007)
+    sampler.set_epoch(epoch)  # without it, every epoch repeats the same order
+    order = tuple(list(iter(sampler))[:16])  # this rank's first samples this epoch
+    metrics.log(step, epoch=epoch, order_fingerprint=hash(order) % 1_000_000_007)
     epoch_start = time.perf_counter()
-    usable = len(train_loader) // args.accum_steps * args.accum_steps  # whole optimiser steps only
+    usable = len(train_loader) // args.accum_steps * args.accum_steps  # whole optimizer steps only
     for micro, (x, y) in enumerate(train_loader):
         if micro == usable:
             break
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        last = (micro + 1) % args.accum_steps == 0  # the micro-step that ends an optimiser step
-        quiet = ddp and not last and not args.sync_every_micro_step
+        last = (micro + 1) % args.accum_steps == 0  # the micro-step that ends an optimizer step
+        quiet = ddp and not last
         with model.no_sync() if quiet else nullcontext():  # no all-reduce: keep adding locally
             loss = F.cross_entropy(model(x), y)  # forward too: DDP prepares its hooks in forward
-            (loss if args.no_loss_scale else loss / args.accum_steps).backward()  # grads add up
+            (loss / args.accum_steps).backward()  # the gradients add up in .grad
         window_loss += loss.detach()
         step_loss += loss.detach() / args.accum_steps  # the mean over the k micro-batches
         if not last:
             continue
         last_step_loss, step_loss = step_loss, torch.zeros_like(step_loss)
         optimizer.step()  # the gradients of all k micro-batches, all-reduced once
-        scheduler.step()
         optimizer.zero_grad(set_to_none=True)  # after the step: the next one starts from zero
         step += 1
         if step % args.log_every == 0:
+            # .item() waits for the device to finish: a sync point, once per window,
+            # so the time metrics.log stamps is when this window's work really ended.
             metrics.log(step, loss=(window_loss / (args.log_every * args.accum_steps)).item(),
                         samples=args.log_every * args.accum_steps * args.batch_size, epoch=epoch,
-                        lr=scheduler.get_last_lr()[0], allreduces=counter.calls,
-                        allreduced_bytes=counter.bytes)  # this window's, counted by the hook
+                        allreduces=counter.calls, allreduced_bytes=counter.bytes)  # this window's
             window_loss.zero_()
             counter.reset()
     accuracy = evaluate()
-    mean_loss = last_step_loss.clone()  # the epoch's last optimiser step: all k micro-batches
+    mean_loss = last_step_loss.clone()  # the epoch's last optimizer step: all k micro-batches
     if ddp:
         dist.all_reduce(mean_loss)  # a sum (gloo has no average)...
         mean_loss /= world_size     # ...so divide by the number of ranks

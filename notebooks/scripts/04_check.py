@@ -22,7 +22,7 @@ parser.add_argument("--batch-size", type=int, default=8, help="per rank and micr
 parser.add_argument("--accum-steps", type=int, default=4, help="k, for the gradient check")
 parser.add_argument("--width", type=int, default=8)
 parser.add_argument("--sweep", default="1,2,4,8", help="k values to count and time")
-parser.add_argument("--repeats", type=int, default=5, help="timed optimiser steps per k and mode")
+parser.add_argument("--repeats", type=int, default=5, help="timed optimizer steps per k and mode")
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 
@@ -83,7 +83,7 @@ for name, (net, xs, ys, options) in runs.items():
     if master:
         print(f"{name:>46}: gradient gap {found[0]:.1e} of the largest, |g| ratio {found[1]:.3f}")
 
-# 2. Counts and times: one optimiser step of k micro-steps, with and without no_sync.
+# 2. Counts and times: one optimizer step of k micro-steps, with and without no_sync.
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 for k in [int(v) for v in args.sweep.split(",")]:
@@ -109,7 +109,7 @@ for k in [int(v) for v in args.sweep.split(",")]:
                     step_time_s=statistics.median(times[no_sync]),
                     step_time_min_s=min(times[no_sync]), step_time_max_s=max(times[no_sync]))
     if master:
-        print(f"k={k}: all-reduces per optimiser step {counts[True]} with no_sync, "
+        print(f"k={k}: all-reduces per optimizer step {counts[True]} with no_sync, "
               f"{counts[False]} without (calls, bytes)")
 
 dist.destroy_process_group()

@@ -94,30 +94,32 @@ def use_checkpointing(on: bool) -> None:
         model.blocks[i].enabled = on
 
 
-row = 0
-for n in batch_sizes:
-    x, y = batch(n)
-    found = {}
-    for mode in ("off", "on"):
-        use_checkpointing(mode == "on")
-        model.zero_grad(set_to_none=True)  # backward adds to .grad: start from nothing
-        forwards[:] = [0] * len(forwards)
-        seen = [int(bn.num_batches_tracked) for bn in norms]
-        with memory.SavedTensorMeter(exclude=model) as meter:
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        found[mode] = dict(saved_bytes=meter.bytes, held_after_backward=meter.held_bytes(),
-                           forwards=",".join(map(str, forwards)),
-                           bn_updates=",".join(str(int(bn.num_batches_tracked) - s)
-                                               for bn, s in zip(norms, seen)))
-        found[mode]["grads"] = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        sync()
-        memory.reset_cuda_peak(device)
-        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        step(x, y)  # also a warm-up for the timing below
-        peak = memory.cuda_peak_bytes(device)
-        found[mode]["peak_cuda_bytes"] = None if peak is None else peak - base
+def measure(x, y, on: bool) -> dict:
+    """One step with checkpointing on or off: what it held for backward, and what it ran."""
+    use_checkpointing(on)
+    model.zero_grad(set_to_none=True)  # backward adds to .grad: start from nothing
+    forwards[:] = [0] * len(forwards)
+    seen = [int(bn.num_batches_tracked) for bn in norms]
+    with memory.SavedTensorMeter(exclude=model) as meter:
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    found = dict(saved_bytes=meter.bytes, held_after_backward=meter.held_bytes(),
+                 forwards=",".join(map(str, forwards)),
+                 bn_updates=",".join(str(int(bn.num_batches_tracked) - s)
+                                     for bn, s in zip(norms, seen)),
+                 grads=[p.grad.clone() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    sync()
+    memory.reset_cuda_peak(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    step(x, y)  # also a warm-up for the timing below
+    peak = memory.cuda_peak_bytes(device)
+    found["peak_cuda_bytes"] = None if peak is None else peak - base
+    return found
+
+
+def time_steps(x, y) -> dict:
+    """Seconds per training step, `--repeats` of each mode, interleaved."""
     times = {"off": [], "on": []}
     for _ in range(args.repeats):  # interleaved: a slow spell of the machine hits both modes
         for mode in ("off", "on"):
@@ -127,6 +129,14 @@ for n in batch_sizes:
             step(x, y)
             sync()
             times[mode].append(time.perf_counter() - start)
+    return times
+
+
+row = 0
+for n in batch_sizes:
+    x, y = batch(n)
+    found = {mode: measure(x, y, on=mode == "on") for mode in ("off", "on")}
+    times = time_steps(x, y)
     diff = max((a - b).abs().max().item()
                for a, b in zip(found["off"].pop("grads"), found["on"].pop("grads")))
     for mode in ("off", "on"):

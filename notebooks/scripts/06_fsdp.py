@@ -1,9 +1,10 @@
 """Lesson 06: lesson 02's loop with the model sharded by FSDP2 (or replicated by DDP, to compare).
 
-Run it:  torchrun --standalone --nproc-per-node=2 scripts/06_fsdp.py --synthetic --strategy fsdp
+Run it:  torchrun --standalone --nproc-per-node=2 scripts/06_fsdp.py --synthetic --epochs 1 --strategy fsdp
 """
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from labkit import checkpoint, memory, metrics
 from labkit.data import get_datasets
@@ -22,12 +23,13 @@ from labkit.models import MLPStack
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--strategy", choices=["fsdp", "ddp"], default="fsdp")
-parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--epochs", type=int, default=5)
 parser.add_argument("--batch-size", type=int, default=128, help="per rank")
-parser.add_argument("--lr", type=float, default=1e-3)
+parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's")
 parser.add_argument("--dim", type=int, default=1024, help="width of the MLP stack")
 parser.add_argument("--depth", type=int, default=8, help="blocks in the MLP stack")
 parser.add_argument("--train-size", type=int, default=None, help="use a subset of this many images")
+parser.add_argument("--test-size", type=int, default=None)
 parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
 parser.add_argument("--log-every", type=int, default=10, help="steps between metrics lines")
 parser.add_argument("--seed", type=int, default=0)
@@ -41,34 +43,46 @@ args = parser.parse_args()
 if args.bf16 and args.strategy != "fsdp":
     parser.error("--bf16 sets FSDP's mixed-precision policy; use it with --strategy fsdp")
 
-ddp = "RANK" in os.environ  # distributed at all (torchrun); the strategy says how
+# --- the distributed part: torchrun starts one process per device ------------------------
+ddp = "RANK" in os.environ  # under plain `python` this is one process, no process group
 rank = int(os.environ.get("RANK", 0))
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 world_size = int(os.environ.get("WORLD_SIZE", 1))
 if torch.cuda.is_available():
     device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
+    torch.cuda.set_device(device)  # before init: NCCL binds each rank to its own GPU
 else:
     device = torch.device("cpu")
 if ddp:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-master = rank == 0
-fsdp = ddp and args.strategy == "fsdp"
+master = rank == 0  # rank 0 alone prints summaries and saves files
+fsdp = ddp and args.strategy == "fsdp"  # distributed, and sharded rather than replicated
 
+torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
 # No random crops or flips: DDP and FSDP must train on the very same batches.
 data = get_datasets(args.data_dir, synthetic=args.synthetic, train_size=args.train_size,
-                    test_size=1, seed=args.seed, augment=False)  # this lesson does not evaluate
+                    test_size=args.test_size, seed=args.seed, augment=False)
 if master:
     print(data.description)
+    print(f"per-rank batch {args.batch_size} × {world_size} rank(s) = "
+          f"global batch {args.batch_size * world_size}")
+
+# Each rank takes its own 1/world_size of every epoch, reshuffled per epoch by set_epoch.
 sampler = DistributedSampler(data.train, num_replicas=world_size, rank=rank, shuffle=True,
                              seed=args.seed, drop_last=True)
+# Pinned (page-locked) host memory lets the copy to the GPU run asynchronously;
+# worker processes prepare the next batches while this one trains.
+pin = device.type == "cuda"
 train_loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, drop_last=True,
                           num_workers=args.workers, persistent_workers=args.workers > 0,
-                          pin_memory=device.type == "cuda")
+                          pin_memory=pin)
+test_shard = Subset(data.test, range(rank, len(data.test), world_size))  # no padding, no overlap
+test_loader = DataLoader(test_shard, batch_size=256, num_workers=args.workers, pin_memory=pin)
+
 
 
 def build(seed: int):
-    """The model, replicated (DDP) or sharded (FSDP2), and its optimiser."""
+    """The model, replicated (DDP) or sharded (FSDP2), and its optimizer."""
     torch.manual_seed(seed)  # the same initial weights for DDP and FSDP
     model = MLPStack(dim=args.dim, depth=args.depth).to(device)
     if fsdp:
@@ -121,31 +135,57 @@ for block in blocks:
 if args.load_dcp:
     load_and_check(model, optimizer, args.load_dcp, step=0)
 
+
+def evaluate() -> float:
+    model.eval()  # BatchNorm uses its running statistics, not the batch's
+    counts = torch.zeros(2, device=device)  # correct, total: on this rank's shard
+    with torch.no_grad():
+        for x, y in test_loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            counts += torch.stack([(model(x).argmax(1) == y).sum(), torch.tensor(len(y), device=device)])
+    if ddp:
+        dist.all_reduce(counts)  # sum over ranks: the accuracy of the whole test set
+    model.train()
+    return (counts[0] / counts[1]).item()
+
+
 step = 0
-window_loss = torch.zeros((), device=device)
+window_loss = torch.zeros((), device=device)  # summed on the device: no sync per step
 memory.reset_cuda_peak(device)
 for epoch in range(args.epochs):
-    sampler.set_epoch(epoch)
+    sampler.set_epoch(epoch)  # without it, every epoch repeats the same order
+    order = tuple(list(iter(sampler))[:16])  # this rank's first samples this epoch
+    metrics.log(step, epoch=epoch, order_fingerprint=hash(order) % 1_000_000_007)
+    epoch_start = time.perf_counter()
     for x, y in train_loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss = F.cross_entropy(model(x), y)  # FSDP all-gathers each block's shards as it runs
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # frees the old gradients instead of writing zeros
         loss.backward()  # FSDP reduce-scatters gradients: each rank keeps only its shard's
-        optimizer.step()  # each rank updates its own shard (and its own optimiser state)
+        optimizer.step()  # each rank updates its own shard (and its own optimizer state)
         window_loss += loss.detach()
         step += 1
-        if step == 1:  # gradients and optimiser state exist now: count what this rank holds
+        if step == 1:  # gradients and optimizer state exist now: count what this rank holds
             held = memory.model_bytes(model, optimizer)
             metrics.log(step, param_bytes=held.params, grad_bytes=held.grads,
                         optim_bytes=held.optimizer, **seen)
         if step % args.log_every == 0:
-            metrics.log(step, loss=(window_loss / args.log_every).item(), epoch=epoch,
-                        samples=args.log_every * args.batch_size)
+            # .item() waits for the device to finish: a sync point, once per window,
+            # so the time metrics.log stamps is when this window's work really ended.
+            metrics.log(step, loss=(window_loss / args.log_every).item(),
+                        samples=args.log_every * args.batch_size, epoch=epoch)
             window_loss.zero_()
+    accuracy = evaluate()
+    mean_loss = loss.detach().clone()
+    if ddp:
+        dist.all_reduce(mean_loss)  # a sum (gloo has no average)...
+        mean_loss /= world_size     # ...so divide by the number of ranks
+    metrics.log(step, test_acc=accuracy, epoch=epoch)
+    if master:
+        print(f"epoch {epoch}: {step} steps, last loss {mean_loss.item():.3f} (mean of ranks), "
+              f"test accuracy {accuracy:.1%}, {time.perf_counter() - epoch_start:.1f} s")
+
 metrics.log(step, peak_cuda_bytes=memory.cuda_peak_bytes(device))  # None on CPU
-if master:
-    print(f"{args.strategy if ddp else 'no torchrun'} on {world_size} rank(s): {step} steps, "
-          f"last loss {loss.item():.3f}")
 
 if args.naive_save and master:  # the pitfall: under FSDP this holds rank 0's shards only
     torch.save(model.state_dict(), args.naive_save)
