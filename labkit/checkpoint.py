@@ -52,7 +52,7 @@ def step_path(folder, step: int) -> Path:
 
     Args:
         folder: the checkpoint folder.
-        step: the optimiser step the state is saved at.
+        step: the optimizer step the state is saved at.
 
     Returns:
         the Path (the file need not exist).
@@ -67,7 +67,7 @@ def step_path(folder, step: int) -> Path:
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}. "
-                         f"HINT: pass the optimiser step the state was saved at.")
+                         f"HINT: pass the optimizer step the state was saved at.")
     return _check_folder(folder) / f"step_{step:08d}.pt"
 
 

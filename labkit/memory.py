@@ -79,7 +79,7 @@ class ModelBytes:
     Attributes:
         params: parameters (under FSDP: this rank's shards).
         grads: the parameters' ``.grad`` tensors that exist now.
-        optimizer: every tensor in the optimiser's state (momentum, Adam's moments, step counters).
+        optimizer: every tensor in the optimizer's state (momentum, Adam's moments, step counters).
     """
 
     params: int
@@ -92,14 +92,14 @@ class ModelBytes:
 
 
 def model_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> ModelBytes:
-    """Parameter, gradient and optimiser-state bytes on this rank, exact, on any device.
+    """Parameter, gradient and optimizer-state bytes on this rank, exact, on any device.
 
     Call it after ``optimizer.step()`` and before ``zero_grad``: then gradients
-    and optimiser state both exist.
+    and optimizer state both exist.
 
     Args:
         model: the model (DDP- or FSDP-wrapped is fine).
-        optimizer: its optimiser, or None to count no optimiser state.
+        optimizer: its optimizer, or None to count no optimizer state.
 
     Returns:
         ModelBytes(params, grads, optimizer).
@@ -117,7 +117,7 @@ def model_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
                         f"HINT: pass the model you train, e.g. memory.model_bytes(model, optimizer).")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}. "
-                        f"HINT: pass the optimiser itself, not its state_dict().")
+                        f"HINT: pass the optimizer itself, not its state_dict().")
     params = list(model.parameters())
     state = [] if optimizer is None else [
         value for per_param in optimizer.state.values() for value in per_param.values()

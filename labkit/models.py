@@ -114,7 +114,7 @@ class MLPStack(nn.Module):
 
     Nearly all its memory is parameters (8·dim² per block), few activations:
     the model for lesson 06, where FSDP shards parameters, gradients and
-    optimiser state. dim=256, depth=4 has 2.9 M parameters; dim=1024, depth=8 has 70 M.
+    optimizer state. dim=256, depth=4 has 2.9 M parameters; dim=1024, depth=8 has 70 M.
 
     Args:
         num_classes: outputs of the head.

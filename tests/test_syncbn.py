@@ -166,7 +166,7 @@ def test_convert_keeps_parameters_buffers_settings_and_mode():
     assert converted is model
     new = model[1]
     assert type(new) is SyncBatchNorm and type(model[2][0]) is SyncBatchNorm
-    assert new.weight is weight, "the same Parameter: an optimiser made earlier still sees it"
+    assert new.weight is weight, "the same Parameter: an optimizer made earlier still sees it"
     assert (new.eps, new.momentum, new.affine, new.track_running_stats) == (1e-3, 0.2, True, True)
     assert model[2][0].affine is False and model[2][0].weight is None
     assert new.training and not model[2][0].training
