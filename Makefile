@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.installed
 #   make lab TORCH="torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cu126"
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: lab test test-fast test-full exercises restore doctor bench clean-runs
+.PHONY: lab test test-fast test-full test-slurm exercises restore doctor bench clean-runs
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,14 @@ test-fast: $(STAMP)
 # Every lesson in full mode as well, as a learner runs it by default (tens of minutes on a laptop).
 test-full: $(STAMP)
 	LABKIT_SMOKE=1 $(PY) -m pytest --full
+
+# Lesson 08's Slurm part on a real cluster of one machine: munged, slurmctld and two slurmd
+# (nodes n1 and n2, ports 17000-17002), config in a temporary folder. As root it installs the
+# Debian packages first if they are missing (slurmctld slurmd slurm-client munge); elsewhere it
+# says why it skips. Every daemon it started is stopped, by pid, whatever happens.
+test-slurm: $(STAMP)
+	LABKIT_SMOKE=1 $(PY) -m labkit._slurm_cluster run --install -- \
+		$(PY) -m pytest tests/test_slurm.py tests/test_slurm_cluster.py
 
 # Regenerate exercises/ from solutions/ (a changed exercise is backed up to exercises/backup/).
 exercises: $(STAMP)

@@ -10,6 +10,8 @@ Notebook side (see each name's docstring)::
     labkit.plot_speedup(sweep); labkit.plot_loss([run_a, run_b])
     DEVICE = labkit.lesson_device()            # "auto" on 2+ GPUs, else CPU ranks
     labkit.compare_losses(run, reference, epoch_tol=0.05).check()   # trained alike?
+    labkit.launch("scripts/08_project/train.py", nproc=1, nnodes=2)   # two nodes, one machine
+    labkit.sbatch("scripts/08_job.sbatch", nodes=2)                    # where Slurm answers
 
 Exercises (``exercises/``)::
 
@@ -69,6 +71,10 @@ _LAZY = {
     "check_training_loop": "labkit._checks",
     "check_ddp": "labkit._checks",
     "hint": "labkit._hints",
+    # lesson 08: Slurm
+    "sbatch": "labkit._slurm",
+    "slurm_status": "labkit._slurm",
+    "SlurmStatus": "labkit._slurm",
     # exercises 03 to 06
     "check_syncbn": "labkit._checks",
     "check_accumulation": "labkit._checks",
