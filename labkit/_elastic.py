@@ -309,7 +309,8 @@ def elastic_losses(run):
 
     A round is one stretch of training with one set of ranks: the job's first start, then
     every restart after a node left or joined. Steps done again after a restart appear once
-    per round that did them.
+    per round that did them. A step that not every rank of its round logged (a rank killed
+    before its buffered lines reached the disk) is left out.
 
     Args:
         run: a ``Run`` whose script logs ``loss`` every step (and ``resumed_from`` when it
@@ -325,7 +326,11 @@ def elastic_losses(run):
     df = df[df["loss"].notna()].copy()
     df["round"] = [sum(t >= s for s in starts) - 1 for t in df["time"]]
     out = df.groupby(["round", "step"], sort=True).agg(
-        world_size=("world_size", "max"), time=("time", "max"), loss=("loss", "mean")).reset_index()
+        world_size=("world_size", "max"), time=("time", "max"), loss=("loss", "mean"),
+        ranks=("rank", "nunique")).reset_index()
+    # A node killed mid-run takes the lines its ranks had not yet written: a step that not
+    # every rank of its round logged has no mean loss over the round's ranks, so it is left out.
+    out = out[out["ranks"] == out["world_size"]]
     out["time_s"] = out["time"] - origin
     return out[["round", "step", "world_size", "time_s", "loss"]]
 
@@ -361,7 +366,8 @@ def elastic_rounds(run):
             "steps": len(mine),
             "last_checkpoint": int(saved.max()) if len(saved) else None,
         })
-    return pd.DataFrame(rows)
+    counts = ["resumed_from", "first_step", "last_step", "last_checkpoint"]
+    return pd.DataFrame(rows).astype({name: "Int64" for name in counts})  # None stays missing
 
 
 def plot_elastic(run, *, axes=None, title: str | None = None):
@@ -386,9 +392,10 @@ def plot_elastic(run, *, axes=None, title: str | None = None):
     sizes = [int(w) for w in rounds["world_size"]]
     for row in rounds.itertuples():
         top.hlines(row.world_size, row.start_s, row.end_s, color="k", lw=3)
-    for before, after in zip(rounds.itertuples(), list(rounds.itertuples())[1:]):
+    for k, (before, after) in enumerate(zip(rounds.itertuples(), list(rounds.itertuples())[1:])):
         for ax in axes:  # between two rounds nobody trains: the rendezvous re-forms the world
-            ax.axvspan(before.end_s, after.start_s, color="0.92", lw=0)
+            ax.axvspan(before.end_s, after.start_s, color="0.92", lw=0,
+                       label="nobody trains: a new round forms" if k == 0 and ax is bottom else None)
     top.set(ylabel="world size", ylim=(0, max(sizes + [1]) + 0.8), yticks=sorted(set(sizes)))
     for number, part in losses.groupby("round"):
         bottom.plot(part["time_s"], part["loss"], marker=".", ms=3, lw=1.2,

@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from labkit import _supervise
@@ -33,6 +34,7 @@ from labkit._events import Event
 
 #: A py-spy frame line: "    all_reduce (torch/distributed/distributed_c10d.py:3913)".
 _PY_SPY_FRAME = re.compile(r"^\s+(?P<func>.+?) \((?P<file>[^()]+?):(?P<line>\d+)\)\s*$")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")   # py-spy colours its output when the environment asks
 _PTRACE_HINT = ("attaching to another process needs ptrace permission: run as root, start the "
                 "container with --cap-add=SYS_PTRACE, or set kernel.yama.ptrace_scope to 0 "
                 "(Linux); use sudo on macOS.")
@@ -71,17 +73,34 @@ def dump_stack(pid: int, *, native: bool = False, timeout_s: float = 20.0) -> st
         raise FileNotFoundError("py-spy is not installed. HINT: pip install py-spy (the course's "
                                 "environment has it; run `make lab` again after a git pull).")
     argv = [exe, "dump", "--pid", str(int(pid))] + (["--native"] if native else [])
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "CLICOLOR_FORCE")}
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
+                             env=dict(env, NO_COLOR="1"))
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"py-spy did not answer within {timeout_s:g} s for pid {pid}") from None
-    text = (out.stdout + out.stderr).strip()
+    text = _ANSI.sub("", out.stdout + out.stderr).strip()
     if out.returncode != 0:
         if re.search(r"permission|not permitted|ptrace", text, re.IGNORECASE):
             raise PermissionError(f"py-spy could not attach to pid {pid}: {text.splitlines()[-1]} "
                                   f"HINT: {_PTRACE_HINT}")
         raise RuntimeError(f"py-spy failed on pid {pid} (exit code {out.returncode}): {text}")
-    return out.stdout
+    return _ANSI.sub("", out.stdout)
+
+
+def excerpt(dump: str, script: str) -> list[str]:
+    """The lines of a py-spy dump worth showing in a cell: its header, then the thread that
+    runs ``script``, down to the script's outermost frame (runpy's and labkit's frames below
+    it say nothing). The whole dump stays in ``PySpyDump.dumps``."""
+    blocks = re.split(r"\n(?=Thread )", dump.rstrip())
+    name = os.path.basename(script)
+    for block in blocks[1:]:
+        lines = block.splitlines()
+        mine = [i for i, line in enumerate(lines)
+                if (m := _PY_SPY_FRAME.match(line)) and os.path.basename(m["file"]) == name]
+        if mine:
+            return [line for line in blocks[0].splitlines() if line.strip()] + lines[:mine[-1] + 1]
+    return dump.rstrip().splitlines()
 
 
 def where(dump: str, script: str) -> str | None:
@@ -111,6 +130,7 @@ class PySpyDump(Event):
         commands: {rank: the command that was run}.
         skipped: why nothing was dumped ("" when it worked).
         pids: {rank: pid}.
+        seconds: {rank: how long its dump took}.
     """
 
     def __init__(self, after_quiet_s: float = 2.0, *, native: bool = False):
@@ -126,6 +146,7 @@ class PySpyDump(Event):
         self.stacks: dict[int, str] = {}
         self.commands: dict[int, str] = {}
         self.pids: dict[int, int] = {}
+        self.seconds: dict[int, float] = {}
         self.skipped = ""
 
     def check(self, plan) -> None:
@@ -147,19 +168,26 @@ class PySpyDump(Event):
             command = f"py-spy dump --pid {pid}" + (" --native" if self.native else "")
             self.commands[rank] = command
             ctx.emit(f"$ {command}     # rank {rank}")
+            began = time.monotonic()
             try:
                 text = dump_stack(pid, native=self.native)
             except (FileNotFoundError, PermissionError, RuntimeError) as err:
                 self.skipped = str(err)
                 ctx.emit(f"skipped: {err}")
                 break
+            self.seconds[rank] = time.monotonic() - began
             self.dumps[rank] = text
             found = where(text, script) if script else None
             if found:
                 self.stacks[rank] = found
-            for line in text.rstrip().splitlines():
+            shown = excerpt(text, script) if script else text.rstrip().splitlines()
+            for line in shown:
                 ctx.emit(f"[py-spy rank{rank}] {line}")
+            hidden = len(text.rstrip().splitlines()) - len(shown)
+            if hidden > 0:
+                ctx.emit(f"[py-spy rank{rank}] … {hidden} more line(s): other threads (spy.dumps[{rank}])")
         return {"pids": {str(r): p for r, p in self.pids.items()},
+                "seconds": {str(r): round(t, 4) for r, t in self.seconds.items()},
                 "stacks": {str(r): s for r, s in self.stacks.items()}, "skipped": self.skipped}
 
 
