@@ -75,22 +75,24 @@ class File(NamedTuple):
 
 
 # -- git ----------------------------------------------------------------------------------------
-def _git(root: Path, *args: str, data: bytes | None = None, env: dict | None = None) -> str:
+def _git_bytes(root: Path, *args: str, data: bytes | None = None, env: dict | None = None) -> bytes:
     try:
-        done = subprocess.run(["git", *args], cwd=root, input=data, capture_output=True,
-                              env=env, check=True, timeout=60)
+        return subprocess.run(["git", *args], cwd=root, input=data, capture_output=True,
+                              env=env, check=True, timeout=60).stdout
     except FileNotFoundError:
         raise RuntimeError("git is not installed. HINT: install git, then try again.") from None
     except subprocess.CalledProcessError as err:
         message = err.stderr.decode(errors="replace").strip() or f"exit code {err.returncode}"
         raise RuntimeError(f"git {' '.join(args[:2])} failed: {message}") from None
-    return done.stdout.decode(errors="replace").strip()
+
+
+def _git(root: Path, *args: str, data: bytes | None = None, env: dict | None = None) -> str:
+    return _git_bytes(root, *args, data=data, env=env).decode(errors="replace").strip()
 
 
 def read_commit(root: Path, rev: str = "HEAD") -> dict[str, File]:
     """Every file of commit ``rev`` (path -> File), read from git, not from the work tree."""
-    listing = subprocess.run(["git", "ls-tree", "-r", "-z", "--full-tree", rev], cwd=root,
-                             capture_output=True, check=True, timeout=60).stdout
+    listing = _git_bytes(root, "ls-tree", "-r", "-z", "--full-tree", rev)
     entries = []
     for item in listing.split(b"\0"):
         if item:
@@ -98,8 +100,7 @@ def read_commit(root: Path, rev: str = "HEAD") -> dict[str, File]:
             mode, kind, sha = meta.decode().split()
             if kind == "blob":  # a submodule ("commit") has no content here
                 entries.append((path.decode(), mode, sha))
-    out = subprocess.run(["git", "cat-file", "--batch"], cwd=root, capture_output=True, check=True,
-                         input="".join(f"{sha}\n" for _, _, sha in entries).encode(), timeout=60).stdout
+    out = _git_bytes(root, "cat-file", "--batch", data="".join(f"{sha}\n" for _, _, sha in entries).encode())
     files, at = {}, 0
     for path, mode, sha in entries:
         header_end = out.index(b"\n", at)
@@ -330,9 +331,8 @@ def shipped(root: Path, path: str) -> str:
             f"cannot restore {path}: there is no solutions/ folder to regenerate it from, and no git "
             f"history to take it from. HINT: ask for a fresh copy of the course.") from None
     try:
-        return subprocess.run(["git", "show", f"{commit}:{path}"], cwd=root, capture_output=True,
-                              check=True, timeout=30).stdout.decode()
-    except subprocess.SubprocessError:
+        return _git_bytes(root, "show", f"{commit}:{path}").decode()
+    except RuntimeError:
         raise FileNotFoundError(f"{path} is not in the course as it was handed out (commit "
                                 f"{commit[:12]}). HINT: is it a notebook of your own?") from None
 
@@ -356,11 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     if not built.changed:
         print(f"the branch {built.branch} already holds this hand-out ({built.commit[:12]}): nothing to do.")
         return 0
-    how = (f"on top of the previous hand-out {built.parent[:12]}: learners take it with git pull"
+    how = (f"on top of the previous hand-out {built.parent[:12]}: learners take it with "
+           f"git pull --rebase --autostash"
            if built.parent else "the first: a commit with no parent, so no earlier history")
     print(f"branch {built.branch}: hand-out {built.commit[:12]} from commit {built.source[:12]}, {how}.")
-    print("left out: " + "; ".join(f"{path} ({why})" for path, why in LEFT_OUT.items())
-          + "; the answer-quoting parts of " + ", ".join(ANSWERS_IN) + ".")
+    cut = f"; the answer-quoting parts of {', '.join(ANSWERS_IN)}" if ANSWERS_IN else ""
+    print("left out: " + "; ".join(f"{path} ({why})" for path, why in LEFT_OUT.items()) + cut + ".")
     print(f"next: git push <learners' repository> {built.branch}:main   (README: For instructors)")
     return 0
 

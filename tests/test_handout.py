@@ -283,3 +283,17 @@ def test_a_name_the_hand_out_cuts_must_still_be_there():
         handout._cut_answers("tests/x.py", "KEPT = {'a': 'answer'}\n", ("KEPT", "GONE"))
     assert handout._cut_answers("tests/x.py", "A = {'a': 1,\n     'b': 2}\nB = 'x'\nC = 3\n", ("A", "B")) == (
         'A = dict.fromkeys([  # the values quote the answers: not in a hand-out\n    "a",\n    "b",\n])\nC = 3\n')
+
+
+def test_the_last_hint_in_a_hand_out_does_not_point_to_solutions(tmp_path, monkeypatch):
+    import labkit
+    from labkit import _course
+
+    (tmp_path / "labkit").mkdir()
+    (tmp_path / "labkit" / "__init__.py").write_text("")
+    (tmp_path / "exercises").mkdir()
+    monkeypatch.chdir(tmp_path / "exercises")  # a learner's hand-out, without solutions/
+    last = labkit.hint("02-ddp", len(labkit._hints.HINTS["02-ddp"]))
+    assert "solutions/" not in str(last) and "ask your instructor" in str(last)
+    monkeypatch.setattr(_course, "find_root", lambda start=None: ROOT)  # the course itself
+    assert "the full answer is in solutions/" in str(labkit.hint("02-ddp", last.number))
