@@ -26,15 +26,14 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-from labkit import _course, exercises
+from labkit import _course, _git, exercises
+from labkit._git import File, read_commit
 
 __all__ = ["LEFT_OUT", "ANSWERS_IN", "TRAILER", "File", "read_commit", "handout_files",
            "answer_lines", "answer_leaks", "stale_exercises", "build", "shipped", "main"]
@@ -64,50 +63,6 @@ _LEAVE_END = re.compile(r"^\s*<!--\s*hand-out:\s*end\s*-->\s*$")
 _INSTEAD = re.compile(r"^\s*<!--\s*hand-out:\s*instead\s*$")
 _CLOSE = re.compile(r"^\s*-->\s*$")
 _SOLUTION = re.compile(r"solutions/(\d\d_\w+\.ipynb)")
-
-
-class File(NamedTuple):
-    """One file of a commit: git's mode, the blob's id (None once the content changed), bytes."""
-
-    mode: str
-    sha: str | None
-    data: bytes
-
-
-# -- git ----------------------------------------------------------------------------------------
-def _git_bytes(root: Path, *args: str, data: bytes | None = None, env: dict | None = None) -> bytes:
-    try:
-        return subprocess.run(["git", *args], cwd=root, input=data, capture_output=True,
-                              env=env, check=True, timeout=60).stdout
-    except FileNotFoundError:
-        raise RuntimeError("git is not installed. HINT: install git, then try again.") from None
-    except subprocess.CalledProcessError as err:
-        message = err.stderr.decode(errors="replace").strip() or f"exit code {err.returncode}"
-        raise RuntimeError(f"git {' '.join(args[:2])} failed: {message}") from None
-
-
-def _git(root: Path, *args: str, data: bytes | None = None, env: dict | None = None) -> str:
-    return _git_bytes(root, *args, data=data, env=env).decode(errors="replace").strip()
-
-
-def read_commit(root: Path, rev: str = "HEAD") -> dict[str, File]:
-    """Every file of commit ``rev`` (path -> File), read from git, not from the work tree."""
-    listing = _git_bytes(root, "ls-tree", "-r", "-z", "--full-tree", rev)
-    entries = []
-    for item in listing.split(b"\0"):
-        if item:
-            meta, path = item.split(b"\t", 1)
-            mode, kind, sha = meta.decode().split()
-            if kind == "blob":  # a submodule ("commit") has no content here
-                entries.append((path.decode(), mode, sha))
-    out = _git_bytes(root, "cat-file", "--batch", data="".join(f"{sha}\n" for _, _, sha in entries).encode())
-    files, at = {}, 0
-    for path, mode, sha in entries:
-        header_end = out.index(b"\n", at)
-        size = int(out[at:header_end].split()[2])
-        files[path] = File(mode, sha, out[header_end + 1:header_end + 1 + size])
-        at = header_end + 1 + size + 1
-    return files
 
 
 # -- what changes ---------------------------------------------------------------------------------
@@ -253,24 +208,6 @@ class Built(NamedTuple):
     changed: bool        # False: the branch already held this hand-out
 
 
-def _write_tree(root: Path, files: dict[str, File]) -> str:
-    with tempfile.TemporaryDirectory(prefix="labkit-handout-") as tmp:
-        env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"))
-        entries = []
-        for path, file in sorted(files.items()):
-            sha = file.sha or _git(root, "hash-object", "-w", "--stdin", data=file.data)
-            entries.append(f"{file.mode} {sha}\t{path}\0")
-        _git(root, "update-index", "--add", "-z", "--index-info", data="".join(entries).encode(), env=env)
-        return _git(root, "write-tree", env=env)
-
-
-def _rev(root: Path, name: str) -> str | None:
-    try:
-        return _git(root, "rev-parse", "--verify", "-q", f"{name}^{{commit}}")
-    except RuntimeError:
-        return None
-
-
 def build(root=None, *, rev: str = "HEAD", branch: str = "handout") -> Built:
     """Make the hand-out of commit ``rev`` and put it on ``branch``; return what was done.
 
@@ -280,7 +217,7 @@ def build(root=None, *, rev: str = "HEAD", branch: str = "handout") -> Built:
         RuntimeError: git failed (its message is kept).
     """
     root = Path(root) if root is not None else (_course.find_root() or Path.cwd())
-    source = _rev(root, rev)
+    source = _git.commit_id(root, rev)
     if source is None:
         raise ValueError(f"{rev!r} is not a commit in {root}. HINT: run this in the course folder.")
     files = read_commit(root, source)
@@ -296,20 +233,20 @@ def build(root=None, *, rev: str = "HEAD", branch: str = "handout") -> Built:
     if leaks:
         raise ValueError("the hand-out would hold answers:\n  " + "\n  ".join(leaks) + "\nHINT: leave "
                          "that file or part out (labkit/handout.py lists what is left out).")
-    tree = _write_tree(root, handout)
-    parent = _rev(root, f"refs/heads/{branch}")
+    tree = _git.write_tree(root, handout)
+    parent = _git.commit_id(root, f"refs/heads/{branch}")
     if parent is not None:
-        if not re.search(rf"^{TRAILER}: ", _git(root, "log", "-1", "--format=%B", parent), re.M):
+        if not re.search(rf"^{TRAILER}: ", _git.run(root, "log", "-1", "--format=%B", parent), re.M):
             raise ValueError(f"the branch {branch!r} exists and is not a hand-out. HINT: choose "
                              f"another name (--branch), or delete that branch.")
-        if _git(root, "rev-parse", f"{parent}^{{tree}}") == tree:
+        if _git.run(root, "rev-parse", f"{parent}^{{tree}}") == tree:
             return Built(branch, parent, None, source, False)
     message = f"Course hand-out, made by `make handout`\n\n{TRAILER}: {source}\n"
-    commit = _git(root, "commit-tree", tree, *(["-p", parent] if parent else []), data=message.encode())
-    kept_out = [path for path in _git(root, "rev-list", "--objects", commit).splitlines()
+    commit = _git.run(root, "commit-tree", tree, *(["-p", parent] if parent else []), data=message.encode())
+    kept_out = [path for path in _git.run(root, "rev-list", "--objects", commit).splitlines()
                 if " " in path and _left_out(path.split(" ", 1)[1])]
     assert not kept_out, kept_out  # the history holds only hand-out trees: never a left-out path
-    _git(root, "update-ref", f"refs/heads/{branch}", commit, parent or "")
+    _git.run(root, "update-ref", f"refs/heads/{branch}", commit, parent or "")
     return Built(branch, commit, parent, source, True)
 
 
@@ -323,15 +260,15 @@ def shipped(root: Path, path: str) -> str:
         FileNotFoundError: no git history, or the hand-out had no such file.
     """
     try:
-        commit = _git(root, "log", "-1", "--format=%H", f"--grep=^{TRAILER}: ", "HEAD")
+        commit = _git.run(root, "log", "-1", "--format=%H", f"--grep=^{TRAILER}: ", "HEAD")
         if not commit:
-            commit = _git(root, "rev-list", "--max-parents=0", "HEAD").splitlines()[-1]
+            commit = _git.run(root, "rev-list", "--max-parents=0", "HEAD").splitlines()[-1]
     except (RuntimeError, OSError, subprocess.SubprocessError):
         raise FileNotFoundError(
             f"cannot restore {path}: there is no solutions/ folder to regenerate it from, and no git "
             f"history to take it from. HINT: ask for a fresh copy of the course.") from None
     try:
-        return _git_bytes(root, "show", f"{commit}:{path}").decode()
+        return _git.run_bytes(root, "show", f"{commit}:{path}").decode()
     except RuntimeError:
         raise FileNotFoundError(f"{path} is not in the course as it was handed out (commit "
                                 f"{commit[:12]}). HINT: is it a notebook of your own?") from None
@@ -351,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     root = Path(args.root) if args.root else (_course.find_root() or Path.cwd())
-    if args.rev == "HEAD" and _git(root, "status", "--porcelain", "--untracked-files=no"):
+    if args.rev == "HEAD" and _git.run(root, "status", "--porcelain", "--untracked-files=no"):
         print(f"note: your uncommitted changes are not in it: it is made from commit {built.source[:12]}.")
     if not built.changed:
         print(f"the branch {built.branch} already holds this hand-out ({built.commit[:12]}): nothing to do.")

@@ -7,7 +7,6 @@ says what a learner's clone holds.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
