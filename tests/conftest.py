@@ -33,6 +33,15 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def pytest_report_header(config):
+    """In a workshop's hand-out, say what it leaves out: its skipped tests are then no surprise."""
+    if (ROOT / "solutions").is_dir():
+        return None
+    from labkit.handout import LEFT_OUT
+    return ("a workshop's hand-out: left out " + "; ".join(f"{path} ({why})" for path, why in LEFT_OUT.items())
+            + ". The tests that need them are skipped, each saying why.")
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """A fresh folder as the current directory; scripts and runs/ go here."""
