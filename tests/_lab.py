@@ -349,9 +349,16 @@ class Notebook:
         before = self.path.stat().st_mtime_ns
         self.page.locator(".jp-NotebookPanel .jp-Notebook").focus()
         self.page.keyboard.press("Control+s")
-        wait_for("the notebook to be saved", lambda: self.path.stat().st_mtime_ns != before, 60)
+        def saved():
+            if self.path.stat().st_mtime_ns == before:
+                return None
+            try:   # the server may be writing it still
+                return json.loads(self.path.read_text())
+            except ValueError:
+                return None
+        notebook = wait_for("the notebook to be saved", saved, 60)
         self._inserted = []   # the file holds them now
-        return json.loads(self.path.read_text())
+        return notebook
 
     def close(self) -> None:
         self.page.close()
