@@ -209,8 +209,12 @@ class Notebook:
         self.shot("opened")
 
     # -- looking ----------------------------------------------------------------------------
-    def shot(self, step: str) -> Path:
-        """Save a screenshot of the page as it is now: NN-step.png in this test's folder."""
+    def shot(self, step: str, at=None) -> Path:
+        """Save a screenshot of the page as it is now: NN-step.png in this test's folder.
+        ``at``: a cell whose latest output is scrolled into view first."""
+        if at is not None:
+            outputs = at.locator(".jp-OutputArea-output")
+            (outputs.last if outputs.count() else at).scroll_into_view_if_needed()
         self._shot_count += 1
         path = self.shots / f"{self._shot_count:02d}-{re.sub(r'[^A-Za-z0-9]+', '-', step)}.png"
         self.page.screenshot(path=str(path))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -48,14 +49,14 @@ def lab(tmp_path_factory):
     state = tmp_path_factory.mktemp("jupyter-state")
     server = Lab(root / "course", state, ROOT)
     server.root.mkdir()
-    server.start()
     try:
+        server.start()
         yield server
     finally:
         server.stop()
-        left = wait_for_gone(lambda: processes_under(server.root), GONE_S)
+        left = stop_leftovers(lambda: processes_under(server.root))
         shutil.rmtree(root, ignore_errors=True)
-        assert not left, f"processes outlived JupyterLab: {left}"
+        assert not left, f"processes outlived JupyterLab (now killed): {left}"
 
 
 @pytest.fixture(scope="session")
@@ -78,9 +79,9 @@ def browser():
             yield context
         finally:
             context.close()
-    left = wait_for_gone(lambda: processes_naming(profile), 30)
+    left = stop_leftovers(lambda: processes_naming(profile))
     shutil.rmtree(profile, ignore_errors=True)
-    assert not left, f"chromium processes outlived the tests: {left}"
+    assert not left, f"chromium processes outlived the tests (now killed): {left}"
 
 
 def wait_for_gone(find, timeout: float) -> list:
@@ -89,6 +90,23 @@ def wait_for_gone(find, timeout: float) -> list:
     while (left := find()) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+def stop_leftovers(find, timeout: float = GONE_S) -> list:
+    """Wait for the processes ``find()`` lists ((pid, command) pairs, all started by these tests)
+    to end; kill, by pid, any still there after ``timeout`` and return them for the failure."""
+    left = wait_for_gone(find, timeout)
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def ranks(course: Path) -> list[tuple[int, str]]:
+    """(pid, command) of every rank still running for this test's copy of the course."""
+    return [(int(line.split()[0]), line) for line in entry_processes(course)]
 
 
 @pytest.fixture
@@ -124,12 +142,8 @@ def open_notebook(browser, lab, course, shots):
         notebook.shot("at the end")
         notebook.close()
     lab.shut_down_kernels()
-    left = wait_for_gone(lambda: entry_processes(course), GONE_S)
-    assert not left, "ranks outlived the test:\n" + "\n".join(left)
-
-
-def ranks(course: Path) -> list[str]:
-    return entry_processes(course)
+    left = stop_leftovers(lambda: ranks(course))
+    assert not left, "ranks outlived the test (now killed):\n" + "\n".join(c for _, c in left)
 
 
 # -- lesson 00: Run All Cells ----------------------------------------------------------------
@@ -152,17 +166,16 @@ def test_lesson_00_run_all(open_notebook):
     launch = nb.cell("hello = labkit.launch(")
     text = nb.text(launch)
     assert re.search(r"^\[rank0\] ", text, re.M) and re.search(r"^\[rank1\] ", text, re.M), text
-    nb.shot("the launch and its rank lines")
+    nb.shot("the launch and its rank lines", at=launch)
 
     timeline = nb.cell("fig, ax = plt.subplots(figsize=(7, 1.4")
     assert [src for o in nb.outputs(timeline) for src in o["images"]], "the timeline chart is missing"
-    nb.shot("the timeline chart")
+    nb.shot("the timeline chart", at=timeline)
 
     checks = [i for i, (_, outputs, _) in seen.items()
               if any(re.search(r"^✓ ", o["text"], re.M) for o in outputs)]
     assert len(checks) >= 2, f"the ✓ lines of the lesson's checks are not on the page: {seen}"
-    nb.cell(checks[-1])
-    nb.shot("a check passed")
+    nb.shot("a check passed", at=nb.cell(checks[-1]))
 
     saved = nb.save()
     code = [c for c in saved["cells"] if c["cell_type"] == "code"]
@@ -188,9 +201,9 @@ def watch(nb: Notebook, cell, name: str) -> dict:
         for src in (s for o in outputs if o["mime"] == "text/html" for s in o["images"]):
             if src not in seen["frames"]:
                 seen["frames"].append(src)
-                nb.shot(f"{name} live frame {len(seen['frames'])}")
+                nb.shot(f"{name} live frame {len(seen['frames'])}", at=cell)
         time.sleep(0.1)
-    nb.shot(f"{name} finished")
+    nb.shot(f"{name} finished", at=cell)
     return seen
 
 
@@ -246,7 +259,7 @@ def start_longer_run(nb: Notebook, course: Path):
     cell = nb.run(index, wait=False)
     wait_for("the ranks to train", lambda: re.search(r"longer: running .*step \d+", nb.text(cell)), CELL_S)
     assert len(ranks(course)) >= 2, ranks(course)
-    nb.shot("a longer run, training")
+    nb.shot("a longer run, training", at=cell)
     return cell
 
 
@@ -260,21 +273,26 @@ def test_interrupt_from_the_toolbar(open_notebook, course):
     left = wait_for_gone(lambda: ranks(course), GONE_S)
     took = time.monotonic() - clicked
     nb.wait_done(cell)
-    nb.shot("interrupted")
+    nb.shot("interrupted", at=cell)
     print(f"interrupt: the ranks were gone {took:.1f} s after the click")
     assert not left, f"ranks still running {GONE_S} s after the interrupt: {left}"
     assert took <= INTERRUPT_BAR_S, f"the ranks took {took:.1f} s to go (bar {INTERRUPT_BAR_S} s)"
 
     text = nb.text(cell)
-    said = re.findall(r"^interrupted: (\d+) ranks? stopped, run folder (runs/\S+)$", text, re.M)
+    line = re.compile(r"^interrupted: (\d+) ranks? stopped, run folder (runs/\S+)$", re.M)
+    said = line.findall(text)
     assert len(said) == 1, f"the cell should say once, plainly, what was stopped:\n{text[-3000:]}"
-    assert said[0][0] == "2" and said[0][1].startswith("runs/") and said[0][1].endswith("-longer"), said
-    box = [o["text"] for o in nb.outputs(cell) if "Traceback" in o["text"]]
-    assert not any("labkit/_" in b for b in box), f"labkit's own frames in the traceback: {box}"
+    assert said[0][0] == "2" and re.fullmatch(r"runs/\S+-longer", said[0][1]), said
+    after = text[line.search(text).end():]
+    assert not re.search(r"^\[(rank\d+|torchrun)\]", after, re.M), (
+        f"rank lines after the interrupted line (they belong in the ranks' logs):\n{after[:3000]}")
+    boxes = nb.errors(cell)
+    assert len(boxes) <= 1 and all("KeyboardInterrupt" in b for b in boxes), boxes
+    assert not any("labkit/_" in b for b in boxes), f"labkit's own frames in the traceback: {boxes}"
 
     nxt = nb.run('layers = ["head", "block 3"')  # the lesson's next code cell: a small figure
     assert not nb.errors(nxt) and [s for o in nb.outputs(nxt) for s in o["images"]], nb.outputs(nxt)
-    nb.shot("the next cell ran")
+    nb.shot("the next cell ran", at=nxt)
 
 
 def test_restart_during_a_launch(open_notebook, course):
@@ -302,7 +320,7 @@ def test_exercise_check_and_hint(open_notebook):
     nb.run_all()
     check = nb.cell("labkit.check_ddp(")
     text = nb.text(check)
-    nb.shot("the check on the untouched exercise")
+    nb.shot("the check on the untouched exercise", at=check)
     assert not nb.errors(check), text
     assert re.search(r"^Exercise 02-ddp: ", text, re.M), text
     findings = re.findall(r"^\s*([✓✗…]) (.+)$", text, re.M)
@@ -313,6 +331,6 @@ def test_exercise_check_and_hint(open_notebook):
     index = nb.insert_below("labkit.check_ddp(", call.group(1))
     cell = nb.run(index)
     outputs = nb.outputs(cell)
-    nb.shot("the hint")
+    nb.shot("the hint", at=cell)
     assert [o for o in outputs if o["mime"] == "text/html" and re.match(r"Hint \d of \d for 02-ddp", o["text"])], (
         outputs)
