@@ -74,10 +74,8 @@ def wait_for(what: str, condition, timeout: float, *, every: float = POLL_S):
         time.sleep(every)
 
 
-def processes_under(folder: Path) -> list[tuple[int, str]]:
-    """(pid, command line) of every process whose working folder lies under ``folder``:
-    kernels, torchrun and ranks started for the served copy of the course."""
-    found = []
+def _processes():
+    """(pid, working folder, command line) of every process this user may read, but this one."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -86,24 +84,19 @@ def processes_under(folder: Path) -> list[tuple[int, str]]:
             args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # gone already, or not ours to read
             continue
-        if cwd.is_relative_to(folder) and args.strip():
-            found.append((int(entry.name), args.strip()))
-    return found
+        if args.strip():
+            yield int(entry.name), cwd, args.strip()
+
+
+def processes_under(folder: Path) -> list[tuple[int, str]]:
+    """(pid, command line) of every process whose working folder lies under ``folder``:
+    kernels, torchrun and ranks started for the served copy of the course."""
+    return [(pid, args) for pid, cwd, args in _processes() if cwd.is_relative_to(folder)]
 
 
 def processes_naming(text: str) -> list[tuple[int, str]]:
     """(pid, command line) of every process whose command line contains ``text``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in args:
-            found.append((int(entry.name), args.strip()))
-    return found
+    return [(pid, args) for pid, _, args in _processes() if text in args]
 
 
 class Lab:
@@ -129,6 +122,8 @@ class Lab:
         return folder
 
     def start(self) -> None:
+        """Start JupyterLab and wait until it answers. Its kernels import labkit from ``source``
+        first, and get smoke mode, from the environment they inherit."""
         env = dict(os.environ, LABKIT_SMOKE="1",
                    PYTHONPATH=os.pathsep.join([str(self.source)] + [
                        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
