@@ -27,6 +27,8 @@ def pytest_collection_modifyitems(config, items):
         skips["gpu"] = pytest.mark.skip(reason="needs a CUDA GPU; none is visible on this machine")
     if not (ROOT / "solutions").is_dir():  # a workshop's hand-out, without the answers
         skips["solutions"] = pytest.mark.skip(reason="needs solutions/, which this copy of the course leaves out")
+    if not config.getoption("--browser"):
+        skips["browser"] = pytest.mark.skip(reason="drives JupyterLab in a real browser: make test-browser")
     for item in items:
         for marker, skip in skips.items():
             if marker in item.keywords:
@@ -147,6 +149,8 @@ def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
                      help="also execute every lesson in full mode, as a learner does by default "
                           "(tens of minutes on 2 CPU cores): make test-full")
+    parser.addoption("--browser", action="store_true",
+                     help="run the tests that drive JupyterLab in headless Chromium: make test-browser")
 
 
 def pytest_terminal_summary(terminalreporter):
