@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make lab    create .venv if needed, install the course, start JupyterLab in the course folder
 #   make test   the same set-up, then every test: unit, real 2-rank launches, notebooks in smoke mode
+#   make test-browser   the lessons in a real JupyterLab, driven by headless Chromium (CI runs it too)
 # Run again, each skips the set-up that is already done.
 
 PYTHON ?= python3
@@ -8,19 +9,33 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # The PyTorch the course is tested with. pyproject.toml accepts any torch >= 2.6; without
-# this pin pip would fetch the newest release. A GPU box whose driver wants another CUDA
-# build can choose its wheels, e.g.
+# this pin pip would fetch the newest release. Other wheels of the same release, e.g. the
+# CPU-only ones for laptops without an NVIDIA GPU (a fraction of the download), or another
+# CUDA build for a GPU box whose driver wants it:
+#   make lab TORCH="torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cpu"
 #   make lab TORCH="torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cu126"
 TORCH  ?= torch==2.14.1 torchvision==0.29.1
+# A room on one connection: `make wheelhouse` downloads every wheel the set-up installs, once,
+# into wheelhouse/ (on a machine like the seats: same system, same Python). Copy that folder to
+# each seat, where `make lab WHEELS=wheelhouse` installs from it alone, without the network.
+WHEELS ?=
+PIP_FROM = $(if $(WHEELS),--no-index --find-links $(WHEELS))
 
-.PHONY: lab test test-fast test-full test-slurm exercises restore doctor bench clean-runs
+.PHONY: lab test test-fast test-full test-slurm test-browser exercises restore doctor bench clean-runs handout wheelhouse
 
-$(STAMP): pyproject.toml Makefile
+# The set-up runs again when what it installs changes: the content of pyproject.toml or TORCH.
+# The stamp holds their checksum (not a time: a fresh clone next to an existing .venv looks
+# newer than it, yet needs nothing installed).
+SETUP := $(shell { printf '%s\n' '$(TORCH)'; cat pyproject.toml; } | cksum)
+ifneq ($(SETUP),$(shell cat $(STAMP) 2>/dev/null))
+.PHONY: $(STAMP)
+endif
+$(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip >/dev/null
-	$(PY) -m pip install $(TORCH)
-	$(PY) -m pip install -e ".[test]"
-	@touch $(STAMP)
+	$(PY) -m pip install --upgrade $(PIP_FROM) pip >/dev/null
+	$(PY) -m pip install $(PIP_FROM) $(TORCH)
+	$(PY) -m pip install $(PIP_FROM) -e ".[test]"
+	@echo '$(SETUP)' > $(STAMP)
 
 # The course folder is the root, so that notebooks/, exercises/ and solutions/ are all in reach.
 # JupyterLab refuses to run as root (common in containers) unless told to: it is told, with a warning.
@@ -49,6 +64,20 @@ test-slurm: $(STAMP)
 	LABKIT_SMOKE=1 $(PY) -m labkit._slurm_cluster run --install -- \
 		$(PY) -m pytest tests/test_slurm.py tests/test_slurm_cluster.py
 
+# The course as a learner uses it: JupyterLab (smoke mode, a copy of the course under /tmp) driven
+# by headless Chromium through Playwright: Run All, the live chart, interrupt, restart, a check.
+# Installs what is missing: Playwright into .venv, Debian's chromium with apt when run as root
+# (Playwright cannot fetch its own browsers offline); without chromium the tests skip and say why.
+# Screenshots of every step: build/browser/<test>/.
+test-browser: $(STAMP)
+	@$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install $(PIP_FROM) playwright
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    { apt-get update -qq && apt-get install -y -qq chromium; } || \
+	      echo "apt-get could not install chromium: the browser tests will skip"; \
+	  else echo "no chromium, and not root to install it: the browser tests will skip (apt-get install chromium)"; fi
+	LABKIT_SMOKE=1 $(PY) -m pytest --browser tests/test_browser.py
+
 # Regenerate exercises/ from solutions/ (a changed exercise is backed up to exercises/backup/).
 exercises: $(STAMP)
 	$(PY) -m labkit.exercises generate
@@ -65,6 +94,19 @@ doctor: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/launch_overhead.py
 	$(PY) benchmarks/metrics_cost.py
+
+# A workshop's hand-out: the branch `handout`, the course without its answers, made from the
+# last commit (README: For instructors). It needs git and Python's standard library only.
+handout:
+	$(PYTHON) -m labkit.handout
+
+# Every wheel the set-up installs, for the seats of a room: see WHEELS above. TORCH's own
+# options (an --index-url) apply to its wheels only; the rest come from PyPI.
+wheelhouse:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip download -d $(or $(WHEELS),wheelhouse) $(TORCH)
+	$(PY) -m pip download -d $(or $(WHEELS),wheelhouse) --find-links $(or $(WHEELS),wheelhouse) \
+		pip "setuptools>=77" $(filter torch%,$(TORCH)) ".[test]"
 
 clean-runs:
 	find . -path ./$(VENV) -prune -o -type d -name runs -prune -exec rm -rf {} +

@@ -11,10 +11,9 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
-from labkit import _hardware
+from labkit import _course, _hardware
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -78,13 +77,6 @@ class Report:
                 f"</tr></thead><tbody>{rows}</tbody></table>")
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _topology() -> str | None:
     exe = shutil.which("nvidia-smi")
     if exe is None:
@@ -134,6 +126,28 @@ def cuda_driver_check(build: str | None, driver: str | None) -> Check:
                  f"for CUDA {driver} or older (README: the TORCH= option of make)")
 
 
+def environment_check(course: Path | None = None, imported: Path | None = None) -> Check:
+    """Is this kernel the course's? The labkit it imported must be the course folder's own.
+
+    A kernel from another environment imports another copy of labkit (another clone's, or one
+    installed without ``-e``), whose checks and hints may not match these notebooks.
+
+    Args:
+        course: the course folder (default: the one the kernel runs in, found from its folder).
+        imported: the folder that holds the imported labkit (default: this one's).
+    """
+    course = _course.find_root() if course is None else course
+    imported = _course.package_root() if imported is None else imported
+    if course is None:
+        return Check("course environment", f"{sys.prefix}; labkit from {imported}", "info",
+                     "not run from inside a course folder: nothing to compare labkit's folder with")
+    if Path(imported).resolve() == Path(course).resolve():
+        return Check("course environment", f"{sys.prefix}; labkit from this course's folder")
+    return Check("course environment", f"{sys.prefix}; labkit from {imported}, not from {course}",
+                 "warn", f"this kernel runs another environment's labkit: start JupyterLab with "
+                         f"`make lab` in {course}, or pick the kernel of {Path(course) / '.venv'}")
+
+
 def launch_check(timeout: float = 120) -> Check:
     """Launch a tiny all-reduce on the ranks lessons use: loopback, rendezvous and backend in one."""
     from labkit._errors import LabkitError
@@ -159,8 +173,8 @@ def doctor(data_dir: str | os.PathLike | None = None, *, launch: bool = False) -
     """Check this machine for the course; returns a Report (a table in Jupyter).
 
     Reports Python, torch, CUDA (the build and what the driver supports), NCCL and
-    gloo, the GPUs (and their topology), the CPU cores, whether this kernel runs in
-    the course's environment, the backend and nproc that launches will use, and
+    gloo, the GPUs (and their topology), the CPU cores, whether this kernel runs the
+    course folder's own labkit (a kernel from another environment does not), the backend and nproc that launches will use, and
     which data set lessons get. It never creates a CUDA context in this process.
 
     Args:
@@ -186,13 +200,7 @@ def doctor(data_dir: str | os.PathLike | None = None, *, launch: bool = False) -
               "ok" if sys.version_info >= (3, 11) else "warn",
               "" if sys.version_info >= (3, 11) else "the course needs Python 3.11 or newer"))
     add(Check("PyTorch", torch.__version__))
-    in_venv = Path(sys.prefix).resolve() == (_REPO / ".venv").resolve()
-    installed = _version("labkit") is not None
-    add(Check("course environment", sys.prefix,
-              "ok" if in_venv or installed else "warn",
-              "" if in_venv or installed else
-              "this kernel is not the course's: start JupyterLab with `make lab`, "
-              "or pick the course's kernel"))
+    add(environment_check())
     gpus = _hardware.gpus()
     report.gpus = gpus
     cuda_build = torch.version.cuda

@@ -94,6 +94,16 @@ HINTS: dict[str, list[str]] = {
 }
 
 
+def _answers() -> str:
+    """Where the worked answers are: in solutions/, or, in a workshop's hand-out, with the instructor."""
+    from labkit import _course
+
+    root = _course.find_root() or _course.package_root()
+    if (root / "solutions").is_dir():
+        return "the full answer is in solutions/, where your copy has it"
+    return "this copy of the course is a workshop's hand-out, without the worked answers: ask your instructor"
+
+
 @dataclass(frozen=True)
 class Hint:
     """One hint: shows as a short note in Jupyter, as text elsewhere."""
@@ -105,7 +115,7 @@ class Hint:
 
     def __str__(self) -> str:
         more = (f" (labkit.hint({self.exercise!r}, {self.number + 1}) for the next)"
-                if self.number < self.total else " (the last one; the full answer is in solutions/, where your copy has it)")
+                if self.number < self.total else f" (the last one; {_answers()})")
         return f"Hint {self.number} of {self.total} for {self.exercise}{more}:\n{self.text}"
 
     __repr__ = __str__
@@ -143,6 +153,6 @@ def hint(exercise: str, number: int = 1) -> Hint:
     texts = HINTS[exercise]
     if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= len(texts):
         raise ValueError(f"{exercise} has hints 1 to {len(texts)}, not {number!r}. "
-                         f"HINT: after the last hint, the full answer is in solutions/, where your copy has it.")
+                         f"HINT: after the last hint, {_answers()}.")
     return Hint(exercise, number, len(texts), texts[number - 1])
 

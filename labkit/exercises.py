@@ -23,7 +23,9 @@ From a terminal (the Makefile's ``make exercises`` runs the first)::
     python -m labkit.exercises check             # exit 1 if exercises/ is out of date
     python -m labkit.exercises restore 02        # back up exercises/02_*.ipynb, then regenerate it
 
-``make restore EX=02`` runs the last with the course's own Python.
+``make restore EX=02`` runs the last with the course's own Python. Both work from any folder
+inside the course. In a hand-out (no ``solutions/``) restore takes the exercise from the newest
+hand-out commit (``labkit.handout``), never from a commit of the learner's own.
 
 A learner's work is never lost: an exercise notebook that differs from what
 would be generated is copied to ``exercises/backup/`` before it is replaced (a visible folder,
@@ -36,10 +38,11 @@ import argparse
 import json
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from labkit import _course
 
 __all__ = ["strip_solutions", "exercise_notebook", "generate", "stale", "restore", "main"]
 
@@ -124,10 +127,17 @@ def exercise_notebook(solution: dict, *, name: str = "solution") -> dict:
 
 
 def _root(root) -> Path:
+    """The course folder: ``root`` if given, else the one you are in (from any folder inside
+    it), else the one this labkit belongs to."""
     if root is not None:
         return Path(root)
-    here = Path(__file__).resolve().parent.parent
-    return here if (here / "solutions").is_dir() else Path.cwd()
+    found = _course.find_root()
+    if found is None and _course.is_course(_course.package_root()):
+        found = _course.package_root()
+    if found is None:
+        raise FileNotFoundError(f"{Path.cwd()} is not inside a copy of the course (a folder that holds "
+                                f"labkit/ and exercises/). HINT: cd into the course folder, or pass --root.")
+    return found
 
 
 def _pairs(root: Path, which: str | None = None) -> list[tuple[Path, Path]]:
@@ -217,24 +227,20 @@ def stale(root=None) -> list[Path]:
 
 
 def _committed(root: Path, which: str) -> tuple[Path, str]:
-    """(exercise path, its text as last committed): for a hand-out without solutions/."""
+    """(exercise path, its text as the course handed it out): for a hand-out without solutions/.
+    Never a learner's own commit: see ``labkit.handout.shipped``."""
+    from labkit.handout import shipped
+
     exercise = _one(_notebooks(root / "exercises"), which, root / "exercises")
-    try:
-        text = subprocess.run(["git", "show", f"HEAD:exercises/{exercise.name}"], cwd=root,
-                              capture_output=True, text=True, check=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        raise FileNotFoundError(
-            f"cannot restore {exercise.name}: there is no solutions/ folder to regenerate it from, "
-            f"and no git history to take it from. HINT: ask for a fresh copy of the course."
-        ) from None
-    return exercise, text
+    return exercise, shipped(root, f"exercises/{exercise.name}")
 
 
 def restore(which: str, root=None) -> Path | None:
     """Put exercise ``which`` (e.g. ``"02"``) back as it was handed out.
 
-    The original comes from ``solutions/`` when the course has it, else from git (the last
-    committed version). Returns the backup of your version (None if it was unchanged).
+    The original comes from ``solutions/`` when the course has it, else from git: the newest
+    hand-out commit, never a commit of your own. Returns the backup of your version (None if
+    it was unchanged). Works from any folder inside the course (``notebooks/``, ``exercises/``).
     Reopen the notebook afterwards (JupyterLab: File → Reload Notebook from Disk).
     """
     root = _root(root)

@@ -38,6 +38,8 @@ def pytest_collection_modifyitems(config, items):
         skips["gpu"] = pytest.mark.skip(reason="needs a CUDA GPU; none is visible on this machine")
     if not (ROOT / "solutions").is_dir():  # a workshop's hand-out, without the answers
         skips["solutions"] = pytest.mark.skip(reason="needs solutions/, which this copy of the course leaves out")
+    if not config.getoption("--browser"):
+        skips["browser"] = pytest.mark.skip(reason="drives JupyterLab in a real browser: make test-browser")
     for item in items:
         for marker, skip in skips.items():
             if marker in item.keywords:
@@ -54,6 +56,15 @@ def slurm_cluster():
     if not status:
         pytest.skip(f"{status.reason}; make test-slurm runs this")
     return status
+
+
+def pytest_report_header(config):
+    """In a workshop's hand-out, say what it leaves out: its skipped tests are then no surprise."""
+    if (ROOT / "solutions").is_dir():
+        return None
+    from labkit.handout import LEFT_OUT
+    return ("a workshop's hand-out: left out " + "; ".join(f"{path} ({why})" for path, why in LEFT_OUT.items())
+            + ". The tests that need them are skipped, each saying why.")
 
 
 @pytest.fixture
@@ -161,6 +172,8 @@ def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
                      help="also execute every lesson in full mode, as a learner does by default "
                           "(tens of minutes on 2 CPU cores): make test-full")
+    parser.addoption("--browser", action="store_true",
+                     help="run the tests that drive JupyterLab in headless Chromium: make test-browser")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 
@@ -112,3 +114,50 @@ def test_a_seat_whose_launch_fails_gets_a_warning(monkeypatch):
     monkeypatch.setattr(_launch, "launch", broken)
     check = labkit._doctor.launch_check()
     assert check.status == "warn" and "connection refused" in check.advice
+
+
+# -- is the kernel's labkit this course's? ------------------------------------------------------------
+def _copy_of_the_course(folder):
+    """A folder that looks like a copy of the course: labkit/ and exercises/."""
+    (folder / "labkit").mkdir(parents=True)
+    (folder / "labkit" / "__init__.py").write_text("")
+    (folder / "exercises").mkdir()
+    return folder
+
+
+def test_the_course_environment_is_this_courses_labkit(monkeypatch):
+    from conftest import ROOT
+
+    monkeypatch.chdir(ROOT / "notebooks")  # where a lesson's kernel runs
+    check = labkit._doctor.environment_check()
+    assert check.status == "ok" and "labkit from this course's folder" in check.value, check
+
+
+def test_a_kernel_with_another_copys_labkit_gets_a_warning(monkeypatch, tmp_path):
+    other = _copy_of_the_course(tmp_path / "my-course")
+    (other / "notebooks").mkdir()
+    monkeypatch.chdir(other / "notebooks")  # this course's lessons, but labkit comes from elsewhere
+    check = labkit._doctor.environment_check()
+    assert check.status == "warn", check
+    assert f"not from {other}" in check.value and "`make lab`" in check.advice
+    assert not labkit.doctor(data_dir=tmp_path).ok, "make doctor fails on it"
+
+
+def test_outside_a_course_there_is_nothing_to_compare(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    check = labkit._doctor.environment_check()
+    assert check.status == "info" and "not run from inside a course folder" in check.advice
+
+
+def test_another_environments_labkit_is_caught_in_a_real_kernel(tmp_path):
+    """A second interpreter whose labkit is another copy's, started in this course's lessons."""
+    from conftest import ROOT
+
+    other = tmp_path / "elsewhere"
+    shutil.copytree(ROOT / "labkit", other / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import labkit, labkit._doctor as d; c = d.environment_check(); "
+            "print(labkit.__file__); print(c.status); print(c.value)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "notebooks", capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(other)}, timeout=60, check=True).stdout.splitlines()
+    assert out[0].startswith(str(other)), out
+    assert out[1] == "warn" and f"labkit from {other}, not from {ROOT}" in out[2], out

@@ -244,3 +244,68 @@ def test_an_untouched_exercise_runs_to_its_check_which_reports_the_todo(name, ex
     assert first["status"] == "unfinished", first
     todo = [text for status, text in first["items"] if status == "todo"]
     assert todo and re.match(r"TODO: .+ \(scripts/\S+\.py, line \d+\)$", todo[0]), first
+
+
+# -- restore in a learner's copy: from any folder inside it, the version the course shipped ----------
+def _git(folder, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main",
+                    "-C", str(folder), *args], check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def learners_copy(course):
+    """A hand-out as a learner has it: no solutions/, labkit/ and exercises/, one commit."""
+    exercises.generate(course)
+    shutil.rmtree(course / "solutions")
+    (course / "labkit").mkdir()
+    (course / "labkit" / "__init__.py").write_text("")
+    (course / "notebooks").mkdir()
+    _git(course, "init", "-q")
+    _git(course, "add", "-A")
+    _git(course, "commit", "-qm", "the hand-out")
+    return course
+
+
+@pytest.mark.parametrize("folder", [".", "exercises", "notebooks", "exercises/backup"])
+def test_restore_finds_the_course_from_any_folder_inside_it(learners_copy, folder, monkeypatch):
+    (learners_copy / folder).mkdir(exist_ok=True)
+    monkeypatch.chdir(learners_copy / folder)
+    mine = learners_copy / "exercises" / "07_demo.ipynb"
+    original = mine.read_text()
+    mine.write_text(original.replace("TODO: add", "my attempt"))
+    assert exercises.main(["restore", "07"]) == 0
+    assert mine.read_text() == original
+
+
+def test_restore_brings_back_what_was_shipped_not_the_learners_commit(learners_copy):
+    mine = learners_copy / "exercises" / "07_demo.ipynb"
+    original = mine.read_text()
+    mine.write_text(original.replace("TODO: add", "my attempt"))
+    _git(learners_copy, "commit", "-qam", "my work")
+    mine.write_text(original.replace("TODO: add", "my second attempt"))
+    _git(learners_copy, "commit", "-qam", "more of my work")
+    backup = exercises.restore("07", learners_copy)
+    assert mine.read_text() == original and "my second attempt" in backup.read_text()
+
+
+def test_restore_takes_the_newest_hand_out_commit(learners_copy):
+    """After an update of the hand-out (a commit marked as one), restore brings back its version."""
+    from labkit.handout import TRAILER
+
+    mine = learners_copy / "exercises" / "07_demo.ipynb"
+    updated = mine.read_text().replace("TODO: add", "TODO: add them")
+    mine.write_text(updated)
+    _git(learners_copy, "commit", "-qam", f"Course hand-out\n\n{TRAILER}: 0123abc")
+    mine.write_text(updated.replace("TODO", "my work"))
+    _git(learners_copy, "commit", "-qam", "my work")
+    exercises.restore("07", learners_copy)
+    assert mine.read_text() == updated
+
+
+def test_restore_outside_a_course_says_where_to_go(tmp_path, monkeypatch):
+    from labkit import _course
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(_course, "package_root", lambda: tmp_path)  # a labkit installed elsewhere
+    with pytest.raises(FileNotFoundError, match=r"is not inside a copy of the course.*HINT: cd into"):
+        exercises.restore("02")

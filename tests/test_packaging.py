@@ -38,6 +38,8 @@ def test_readme_test_command_is_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in readme and "make lab" in readme
     assert re.search(r"^make test$", ci, re.M)
+    assert "make test-browser" in readme and re.search(r"^make test\nmake test-browser$", ci, re.M), (
+        "CI runs the browser tests right after make test, as the README says")
 
 
 def test_every_public_name_resolves():

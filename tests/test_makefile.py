@@ -1,0 +1,95 @@
+"""The Makefile's set-up, run by the real make on a stub .venv: nothing is installed.
+
+The stub's `python` writes down each command it is given, so a test sees exactly what
+`make` would have pip do, and when.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+MAKE = shutil.which("make")
+pytestmark = pytest.mark.skipif(MAKE is None, reason="needs make, which this machine lacks")
+CPU = "torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.org/whl/cpu"
+
+
+@pytest.fixture
+def seat(tmp_path):
+    """A course folder with the real Makefile and pyproject.toml, and a stub .venv."""
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../commands.log"\n')
+    python.chmod(0o755)
+    return tmp_path
+
+
+def set_up(seat: Path, *variables: str) -> list[str]:
+    """Run make's set-up (the stamp `make lab` and `make test` depend on); return the commands
+    the stub python was given."""
+    log = seat / ".venv" / "commands.log"
+    log.unlink(missing_ok=True)
+    subprocess.run([MAKE, "-C", str(seat), ".venv/.installed", *variables], check=True,
+                   capture_output=True, text=True, timeout=60)
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_the_set_up_installs_the_pinned_torch_then_the_course(seat):
+    assert set_up(seat) == ["-m pip install --upgrade pip",
+                            "-m pip install torch==2.14.1 torchvision==0.29.1",
+                            "-m pip install -e .[test]"]
+    assert set_up(seat) == [], "done once, it is not done again"
+
+
+def test_a_newer_file_with_the_same_content_installs_nothing(seat):
+    """A fresh clone next to an existing .venv: every file is newer than the stamp."""
+    set_up(seat)
+    later = time.time() + 3600
+    for name in ("Makefile", "pyproject.toml"):
+        (seat / name).write_bytes((seat / name).read_bytes())
+        os.utime(seat / name, (later, later))
+    assert set_up(seat) == []
+
+
+def test_a_changed_pyproject_or_torch_installs_again(seat):
+    set_up(seat)
+    pyproject = seat / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('"tqdm",', '"tqdm",\n    "rich",'))
+    assert set_up(seat) == ["-m pip install --upgrade pip", "-m pip install torch==2.14.1 torchvision==0.29.1",
+                            "-m pip install -e .[test]"]
+    assert set_up(seat) == []
+    assert set_up(seat, f"TORCH={CPU}")[1] == f"-m pip install {CPU}", "TORCH reaches pip word for word"
+    assert set_up(seat, f"TORCH={CPU}") == []
+
+
+def test_a_wheelhouse_is_installed_from_alone(seat):
+    assert set_up(seat, "WHEELS=/media/usb/wheelhouse") == [
+        "-m pip install --upgrade --no-index --find-links /media/usb/wheelhouse pip",
+        "-m pip install --no-index --find-links /media/usb/wheelhouse torch==2.14.1 torchvision==0.29.1",
+        "-m pip install --no-index --find-links /media/usb/wheelhouse -e .[test]"]
+
+
+def test_make_wheelhouse_downloads_torch_from_its_index_and_the_rest_from_pypi(seat):
+    subprocess.run([MAKE, "-C", str(seat), "wheelhouse", f"TORCH={CPU}"], check=True,
+                   capture_output=True, timeout=60)
+    assert (seat / ".venv" / "commands.log").read_text().splitlines() == [
+        f"-m pip download -d wheelhouse {CPU}",
+        "-m pip download -d wheelhouse --find-links wheelhouse pip setuptools>=77 "
+        "torch==2.14.1 torchvision==0.29.1 .[test]"]
+
+
+def test_make_lab_passes_the_cpu_wheels_through(seat):
+    """`make -n` prints what `make lab` would run, without running it."""
+    out = subprocess.run([MAKE, "-n", "-C", str(seat), "lab", f"TORCH={CPU}"], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert f".venv/bin/python -m pip install  {CPU}" in out
+    assert ".venv/bin/jupyter lab --ServerApp.root_dir=." in out
