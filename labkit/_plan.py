@@ -188,8 +188,8 @@ def check_nnodes(nnodes) -> int:
     """How many torchrun agents ("nodes") a launch starts on this machine: an int >= 1."""
     if isinstance(nnodes, str):
         raise TypeError(
-            f"nnodes must be an int, e.g. nnodes=2, got the string {nnodes!r}. HINT: for torchrun's "
-            f"elastic form '--nnodes=MIN:MAX' pass nnodes=MAX, min_nodes=MIN.")
+            f"nnodes must be an int, e.g. nnodes=2, got the string {nnodes!r}. HINT: torchrun's "
+            f"elastic form '--nnodes=MIN:MAX' is nnodes=MAX, min_nodes=MIN.")
     return _check_int("nnodes", nnodes, 1)
 
 
