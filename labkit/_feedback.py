@@ -10,16 +10,15 @@ A check is a few phases, one function each, run in order. Each phase adds findin
 (``ok``, ``fail``, ``todo``, ``expect``). A finding after which the rest cannot be judged ends
 the check: ``feedback.stop(text)`` records it as a ✗ and stops, ``feedback.require(condition,
 right, wrong)`` stops only when the condition fails, and ``feedback.stop()`` without a text stops
-on the findings already made (a launch that failed: ``attempt`` said why). The check function
-wears ``@check``, which catches that stop signal, once, and returns the Feedback as it stands::
+on the findings already made. The check function wears ``@check``, which catches that stop
+signal, once, and returns the Feedback as it stands. ``launched`` launches the script and ends the
+check when the launch fails (``attempt``'s findings say why: a TODO, a rank's exception, a hang)::
 
     EXERCISE = "09-demo"
 
     @check
     def check_demo(target="scripts/ex09_demo.py", *, timeout: float = 180) -> Feedback:
-        feedback, run = attempt(EXERCISE, target, timeout=timeout, name="check-09-demo", **_ranks(2))
-        if run is None:                                # the launch failed: its finding says why
-            feedback.stop()
+        feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-09-demo", **_ranks(2))
         df = _metrics(feedback, run, ["loss"])         # stops by itself when a column is missing
         _the_loss_falls(feedback, df)
         return feedback
@@ -287,4 +286,16 @@ def attempt(exercise: str | Feedback, target, **launch_options):
             feedback.fail(f"the run failed: {err.summary} {_sentence(err.hint)}")
         return _stopped(feedback, before)
     feedback.run = run
+    return feedback, run
+
+
+def launched(exercise: str | Feedback, target, *, explain=None, **launch_options):
+    """``attempt``, inside a ``@check``: returns ``(feedback, run)``, or ends the check when the launch
+    did not succeed (its findings say why). ``explain(feedback, target)``, when given, may first add
+    what such a failure most likely means in this exercise."""
+    feedback, run = attempt(exercise, target, **launch_options)
+    if run is None:
+        if explain is not None:
+            explain(feedback, target)
+        feedback.stop()
     return feedback, run

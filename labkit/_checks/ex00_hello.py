@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from labkit._checks._common import _last, _metrics
-from labkit._feedback import Feedback, attempt, check
+from labkit._feedback import Feedback, check, launched
 
 EXERCISE = "00-hello"
 
@@ -26,10 +26,7 @@ def check_hello(target="scripts/ex00_hello.py", *, timeout: float = 180) -> Feed
 
     Launches on 3 CPU ranks, so that a number written for 2 ranks shows up.
     """
-    feedback, run = attempt(EXERCISE, target, nproc=NPROC, device="cpu", timeout=timeout,
-                            name="check-00-hello")
-    if run is None:
-        feedback.stop()
+    feedback, run = launched(EXERCISE, target, nproc=NPROC, device="cpu", timeout=timeout, name="check-00-hello")
     df = _metrics(feedback, run, ["my_rank", "my_world_size", "rank_sum"])
     _who_is_who(feedback, run.nproc, _last(df, "my_rank"), _last(df, "my_world_size"))
     _the_sum(feedback, run.nproc, _last(df, "rank_sum"))

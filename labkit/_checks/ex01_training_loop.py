@@ -8,7 +8,7 @@ settings from what its skeleton logs at step 0.
 from __future__ import annotations
 
 from labkit._checks._common import _config, _last, _metrics
-from labkit._feedback import Feedback, attempt, check
+from labkit._feedback import Feedback, check, launched
 
 EXERCISE = "01-loop"
 
@@ -31,9 +31,7 @@ SETTINGS = ["lrs", "epochs", "batch_size", "log_every", "train_size"]
 def check_training_loop(target="scripts/ex01_loop.py", *, timeout: float = 300) -> Feedback:
     """Exercise 01-loop: a correct training step, evaluation that changes nothing, honest
     logging windows, and every rank agreeing on the best learning rate (2 CPU ranks)."""
-    feedback, run = attempt(EXERCISE, target, nproc=2, device="cpu", timeout=timeout, name="check-01-loop")
-    if run is None:
-        feedback.stop()
+    feedback, run = launched(EXERCISE, target, nproc=2, device="cpu", timeout=timeout, name="check-01-loop")
     df = _metrics(feedback, run, ["lr", "test_acc", "best_lr", *SETTINGS])
     setting = _config(df, SETTINGS)
     rates = [float(lr) for lr in str(setting["lrs"]).split()]

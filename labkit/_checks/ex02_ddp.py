@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from labkit._checks._common import _config, _last, _metrics, _on, _ranks
-from labkit._feedback import Feedback, attempt, check
+from labkit._feedback import Feedback, check, launched
 
 EXERCISE = "02-ddp"
 
@@ -50,10 +50,8 @@ def check_ddp(target="scripts/ex02_ddp.py", *, timeout: float = 300) -> Feedback
 
         labkit.check_ddp("scripts/ex02_ddp.py")
     """
-    feedback, run = attempt(EXERCISE, target, timeout=timeout, name="check-02-ddp", **_ranks(2))
-    if run is None:
-        _name_gpu_device_ids(feedback)
-        feedback.stop()
+    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-02-ddp", explain=_name_gpu_device_ids,
+                             **_ranks(2))
     df = _metrics(feedback, run, ["first_batch", "test_acc", "weights_fingerprint", *SETTINGS])
     _each_rank_its_share(feedback, df, _config(df, SETTINGS), run.nproc)
     _one_model(feedback, df)
@@ -62,8 +60,8 @@ def check_ddp(target="scripts/ex02_ddp.py", *, timeout: float = 300) -> Feedback
     return feedback
 
 
-def _name_gpu_device_ids(feedback: Feedback) -> None:
-    """A rank raised: if DDP refused device_ids on a CPU rank, say what to pass there."""
+def _name_gpu_device_ids(feedback: Feedback, target) -> None:
+    """The launch failed: if DDP refused device_ids on a CPU rank, say what to pass there."""
     if feedback.failure is not None and "device_ids" in (feedback.failure.message or ""):
         feedback.fail("on CPU ranks, DDP takes device_ids=None: device_ids=[local_rank] names a GPU. "
                       "Pass [local_rank] only when device.type == 'cuda'.", hint=3)

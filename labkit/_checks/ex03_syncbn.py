@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit._checks._common import _config, _gap, _metrics, _near, _on, _ranks, _saved
-from labkit._feedback import Feedback, attempt, check
+from labkit._feedback import Feedback, check, launched
 
 EXERCISE = "03-syncbn"
 
@@ -202,9 +202,7 @@ def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout: float = 180) -> Fe
 
         labkit.check_syncbn("scripts/ex03_syncbn.py")
     """
-    feedback, run = attempt(EXERCISE, target, timeout=timeout, name="check-03-syncbn", **_ranks(2))
-    if run is None:
-        feedback.stop()
+    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-03-syncbn", **_ranks(2))
     steps = _read(feedback, run)
     outputs_right = _outputs(feedback, steps)
     if outputs_right:

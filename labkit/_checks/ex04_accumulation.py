@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit._checks._common import _config, _gap, _metrics, _near, _ranks, _saved
-from labkit._feedback import Feedback, attempt, check
+from labkit._feedback import Feedback, check, launched
 
 EXERCISE = "04-accumulation"
 
@@ -141,9 +141,7 @@ def check_accumulation(target="scripts/ex04_accumulation.py", *, timeout: float 
 
         labkit.check_accumulation("scripts/ex04_accumulation.py")
     """
-    feedback, run = attempt(EXERCISE, target, timeout=timeout, name="check-04-accumulation", **_ranks(2))
-    if run is None:
-        feedback.stop()
+    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-04-accumulation", **_ranks(2))
     steps = _read(feedback, run)
     calls = _step_calls(feedback, steps)
     _allreduces(feedback, steps)

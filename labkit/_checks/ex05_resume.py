@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit._checks._common import _metrics, _on, _ranks
-from labkit._feedback import Feedback, attempt, check
+from labkit._feedback import Feedback, check, launched
 
 EXERCISE = "05-resume"
 
@@ -179,13 +179,13 @@ class _Drill:
         return self.ckpt_dir / name
 
     def launch(self, feedback, folder: str, *extra: str, **options):
-        """``attempt`` with the drill's sizes and the checkpoint folder ``folder`` (emptied first:
+        """``launched`` with the drill's sizes and the checkpoint folder ``folder`` (emptied first:
         the script resumes from whatever it finds)."""
         shutil.rmtree(self.folder(folder), ignore_errors=True)
         args = ["--epochs", str(DRILL["epochs"]), "--batch-size", str(DRILL["batch_size"]),
                 "--train-size", str(DRILL["steps_per_epoch"] * DRILL["batch_size"] * self.ranks["nproc"]),
                 "--ckpt-every", str(DRILL["ckpt_every"]), "--ckpt-dir", str(self.folder(folder)), *extra]
-        return attempt(feedback, self.target, timeout=self.timeout, args=args, **self.ranks, **options)
+        return launched(feedback, self.target, timeout=self.timeout, args=args, **self.ranks, **options)
 
 
 @check
@@ -230,8 +230,6 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout: float = 300,
 def _uninterrupted(drill: _Drill):
     """The run from start to finish, and the checkpoint it leaves: (feedback, run, checkpoint)."""
     feedback, whole = drill.launch(EXERCISE, "whole", name="check-05-uninterrupted")
-    if whole is None:
-        feedback.stop()
     _metrics(feedback, whole, ["loss", "weights_fp"])
     path, reference, error = _load_latest(drill.folder("whole"))
     if path is None:
@@ -254,8 +252,6 @@ def _fault_drill(feedback: Feedback, drill: _Drill):
     """The last rank crashes; torchrun restarts the job once: (run, its metrics)."""
     _, run = drill.launch(feedback, "drill", "--crash-at-step", str(DRILL["crash_at"]),
                           "--crash-rank", str(drill.crashing_rank), name="check-05-fault-drill", max_restarts=1)
-    if run is None:
-        feedback.stop()
     df = _metrics(feedback, run, ["loss", "weights_fp"])
     if 1 not in set(df["restart"]):
         feedback.stop(f"the job never restarted: keep the skeleton's fault drill (rank {drill.crashing_rank} "

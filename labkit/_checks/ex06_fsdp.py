@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit._checks._common import _metrics, _on, _ranks
-from labkit._feedback import Feedback, attempt, check
+from labkit._feedback import Feedback, check, launched
 
 EXERCISE = "06-fsdp"
 
@@ -76,7 +76,7 @@ def _mlp_weights(dim: int, depth: int) -> tuple[int, int, int]:
 
 
 def _name_the_order(feedback: Feedback, script) -> None:
-    """A rank failed inside fully_shard: say that the order matters (the root comes last)."""
+    """The launch failed: if a rank failed inside fully_shard, say that the order matters (the root comes last)."""
     import os
     import re
 
@@ -94,33 +94,18 @@ def _name_the_order(feedback: Feedback, script) -> None:
 
 @dataclass
 class _Logged:
-    """What each rank logged (the first value of each column), and the model's sizes from it."""
+    """What the ranks logged: the model's sizes and units (rank 0's), and each rank's numbers."""
 
-    firsts: dict  # {column: {rank: value}}
+    firsts: dict  # {column: {rank: the first value it logged}}
     world: int
-
-    def __getitem__(self, column: str) -> dict:
-        return self.firsts[column]
-
-    @property
-    def dim(self) -> int:
-        return int(self["dim"][0])
-
-    @property
-    def depth(self) -> int:
-        return int(self["depth"][0])
-
-    @property
-    def units(self) -> str:
-        return str(self["block_units"][0])
-
-    @property
-    def root(self) -> bool:
-        return bool(self["root_unit"][0])
+    dim: int
+    depth: int
+    units: str  # "1" for each block that is an FSDP unit, else "0"
+    root: bool  # the model itself is an FSDP unit
 
     def bytes(self, kind: str) -> dict:
         """{rank: (params, grads, optimizer)} that each rank logged as ``kind``: predicted or measured."""
-        return {r: tuple(int(self[f"{kind}_{n}"][r]) for n in _BYTES) for r in range(self.world)}
+        return {r: tuple(int(self.firsts[f"{kind}_{n}"][r]) for n in _BYTES) for r in range(self.world)}
 
 
 @check
@@ -144,11 +129,8 @@ def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedba
 
         labkit.check_fsdp("scripts/ex06_fsdp.py")
     """
-    feedback, run = attempt(EXERCISE, target, timeout=timeout, name="check-06-fsdp", **_ranks(2))
-    if run is None:
-        if feedback.failure is not None:  # the target was a script, and a rank raised
-            _name_the_order(feedback, target)
-        feedback.stop()
+    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-06-fsdp", explain=_name_the_order,
+                             **_ranks(2))
     logged = _read(feedback, run)
     whole, root_bytes, block_bytes = _mlp_weights(logged.dim, logged.depth)
     _units(feedback, logged, whole, root_bytes + block_bytes)
@@ -165,7 +147,8 @@ def _read(feedback: Feedback, run) -> _Logged:
     if silent:
         feedback.stop(f"{_on(silent, run.nproc)} did not log all the check reads (did the run stop early?): "
                       f"keep the skeleton's metrics.log(...) lines.")
-    return _Logged(firsts, run.nproc)
+    return _Logged(firsts, run.nproc, dim=int(firsts["dim"][0]), depth=int(firsts["depth"][0]),
+                   units=str(firsts["block_units"][0]), root=bool(firsts["root_unit"][0]))
 
 
 def _units(feedback: Feedback, logged: _Logged, whole: int, limit: int) -> None:
@@ -180,7 +163,7 @@ def _units(feedback: Feedback, logged: _Logged, whole: int, limit: int) -> None:
     feedback.expect(root, "the model itself is an FSDP unit too: the root, which shards the stem and the head",
                     "the model itself is not an FSDP unit, so the stem and the head stay whole on every rank "
                     "and nothing averages their gradients: call fully_shard(model) after the blocks.", hint=1)
-    gathered = int(max(logged["gathered_bytes"].values()))
+    gathered = int(max(logged.firsts["gathered_bytes"].values()))
     if gathered <= limit:
         feedback.ok(f"at most the root and one block were whole at once: {gathered:,} of the model's "
                     f"{whole:,} bytes of weights")

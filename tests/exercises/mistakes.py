@@ -4,8 +4,15 @@ A wrong answer is the solution notebook's own script with one mistake put in: an
 replacement, so that if the solution changes, the test says so. Each is launched for real, as a
 learner's would be, and the check must fail with the message that names the mistake.
 
-``tests/exercises/test_exNN_<name>.py`` lists exercise NN's mistakes. This folder holds every
-piece of answer text the tests quote: a workshop's hand-out leaves it out, with ``solutions/``.
+``tests/exercises/test_exNN_<name>.py`` lists exercise NN's mistakes and makes their test::
+
+    MISTAKES = {"no-set-epoch": Mistake("    sampler.set_epoch(epoch)\n", "    pass\n",
+                                        "sampler.set_epoch(epoch)", hint=2), ...}
+    test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_ddp, "02_ddp.ipynb",
+                                                                     MISTAKES)
+
+This folder holds every piece of answer text the tests quote: a workshop's hand-out leaves it
+out, with ``solutions/``.
 (A plain module, not a ``conftest.py``: a second conftest would shadow ``from conftest import``
 in the rest of ``tests/``.)
 """
@@ -16,6 +23,8 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 WRITEFILE = re.compile(r"^%%writefile(?P<append>[ \t]+-a)?[ \t]+(?P<path>\S+)[ \t]*\n")
@@ -76,3 +85,17 @@ def assert_named(check, notebook: str, mistake: Mistake, workdir: Path):
     for right in mistake.still_right:
         assert any(right in text for text in feedback.messages("ok")), (right, str(feedback))
     return feedback
+
+
+def each_named_by(check, notebook: str, mistakes: dict):
+    """The test that launches each of ``mistakes`` ({test id: Mistake}) as a wrong answer to
+    ``solutions/<notebook>`` and asserts that ``check`` names it. Marked ``launch`` (real ranks) and
+    ``solutions`` (it needs them); give it a module-level name that starts with ``test_``."""
+
+    @pytest.mark.launch
+    @pytest.mark.solutions
+    @pytest.mark.parametrize("mistake", list(mistakes))
+    def test(mistake, workdir):
+        assert_named(check, notebook, mistakes[mistake], workdir)
+
+    return test

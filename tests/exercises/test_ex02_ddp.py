@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import labkit
-from mistakes import Mistake, assert_named
+from mistakes import Mistake, each_named_by
 
 NOTEBOOK = "02_ddp.ipynb"
 
@@ -28,8 +26,4 @@ MISTAKES = {
 }
 
 
-@pytest.mark.launch
-@pytest.mark.solutions
-@pytest.mark.parametrize("mistake", MISTAKES)
-def test_each_mistake_gets_the_message_that_names_it(mistake, workdir):
-    assert_named(labkit.check_ddp, NOTEBOOK, MISTAKES[mistake], workdir)
+test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_ddp, NOTEBOOK, MISTAKES)

@@ -3,10 +3,8 @@ two per check: once whole, once with a crash)."""
 
 from __future__ import annotations
 
-import pytest
-
 import labkit
-from mistakes import Mistake, assert_named
+from mistakes import Mistake, each_named_by
 
 NOTEBOOK = "05_checkpointing.ipynb"
 
@@ -30,11 +28,7 @@ MISTAKES = {
 }
 
 
-@pytest.mark.launch
-@pytest.mark.solutions
-@pytest.mark.parametrize("mistake", MISTAKES)
-def test_each_mistake_gets_the_message_that_names_it(mistake, workdir):
-    assert_named(labkit.check_resume, NOTEBOOK, MISTAKES[mistake], workdir)
+test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_resume, NOTEBOOK, MISTAKES)
 
 
 def test_check_resume_asks_for_a_script_not_a_finished_run(workdir):

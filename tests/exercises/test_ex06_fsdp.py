@@ -9,7 +9,7 @@ import pytest
 
 import labkit
 from labkit._checks import ex06_fsdp
-from mistakes import Mistake, assert_named, solution_script
+from mistakes import Mistake, each_named_by, solution_script
 
 NOTEBOOK = "06_fsdp.ipynb"
 
@@ -37,11 +37,7 @@ MISTAKES = {
 }
 
 
-@pytest.mark.launch
-@pytest.mark.solutions
-@pytest.mark.parametrize("mistake", MISTAKES)
-def test_each_mistake_gets_the_message_that_names_it(mistake, workdir):
-    assert_named(labkit.check_fsdp, NOTEBOOK, MISTAKES[mistake], workdir)
+test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_fsdp, NOTEBOOK, MISTAKES)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
