@@ -2,7 +2,10 @@
 
 The model for a check module (see ``labkit._feedback`` for ``@check`` and the stop signal):
 the exercise's id, its hints and its constants first; then the public check, which launches
-the script and runs the phases in order; then the phases, one function each.
+the script and runs the phases in order; then the phases, one function each. A phase after
+whose finding nothing more can be judged ends the check with ``feedback.stop(text)`` or
+``feedback.require(condition, right, wrong)`` (as ``_metrics`` here, ``_windows`` in exercise 01,
+``_losses`` in exercise 05).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def check_ddp(target="scripts/ex02_ddp.py", *, timeout: float = 300) -> Feedback
     """
     feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-02-ddp", explain=_name_gpu_device_ids,
                              **_ranks(2))
-    df = _metrics(feedback, run, ["first_batch", "test_acc", "weights_fingerprint", *SETTINGS])
+    df = _metrics(feedback, run, ["first_batch", "test_acc", "weights_fingerprint", *SETTINGS])  # or stops
     _each_rank_its_share(feedback, df, _config(df, SETTINGS), run.nproc)
     _one_model(feedback, df)
     _rank_0_prints(feedback, run)

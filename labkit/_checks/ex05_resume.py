@@ -284,12 +284,14 @@ def _resumed(feedback: Feedback, df, crashing_rank: int) -> list[str]:
     return _resume_pieces(feedback, saved, after, steps[0]) if saved else []
 
 
-def _how(exact: bool) -> str:
-    return "bit for bit" if exact else f"within {_tolerance(exact):g} (GPU kernels may round differently)"
-
-
 def _tolerance(exact: bool) -> float:
+    """How far the drill may be from the uninterrupted run: nothing on CPU, a GPU kernel's rounding."""
     return 0.0 if exact else 1e-5
+
+
+def _how(exact: bool) -> str:
+    """The tolerance, in words."""
+    return "bit for bit" if exact else f"within {_tolerance(exact):g} (GPU kernels may round differently)"
 
 
 def _losses(feedback: Feedback, whole, df, fixes: list[str], exact: bool) -> None:
