@@ -303,9 +303,8 @@ def test_listing_the_checks_and_reading_the_hints_import_no_torch():
 
 
 def test_what_a_learner_reads_says_optimizer():
-    """PyTorch's word, in every hint, check message and practice notebook."""
-    sources = [*(ROOT / "labkit" / "_checks").glob("*.py"), ROOT / "labkit" / "_feedback.py",
-               ROOT / "labkit" / "_hints.py", *(ROOT / "exercises").glob("*.ipynb"),
+    """PyTorch's word, in every hint, check message, labkit docstring and error, and practice notebook."""
+    sources = [*(ROOT / "labkit").rglob("*.py"), *(ROOT / "exercises").glob("*.ipynb"),
                *(ROOT / "solutions").glob("*.ipynb")]
     found = [f"{path.relative_to(ROOT)}:{number}" for path in sources
              for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
