@@ -291,6 +291,19 @@ def test_every_exercise_notebook_has_its_check_module_and_every_module_a_noteboo
         f"{sorted(_checks.exercises())}")
 
 
+@pytest.mark.parametrize("exercise", list(_checks.exercises()))
+def test_every_hint_a_check_points_to_exists(exercise):
+    import ast
+    import inspect
+
+    module = _checks.exercises()[exercise]
+    assert module.HINTS and all(isinstance(text, str) and text for text in module.HINTS), exercise
+    numbers = {keyword.value.value for node in ast.walk(ast.parse(inspect.getsource(module)))
+               if isinstance(node, ast.Call) for keyword in node.keywords
+               if keyword.arg == "hint" and isinstance(keyword.value, ast.Constant) and keyword.value.value is not None}
+    assert numbers <= set(range(1, len(module.HINTS) + 1)), (exercise, sorted(numbers), len(module.HINTS))
+
+
 def test_listing_the_checks_and_reading_the_hints_import_no_torch():
     """A rank imports labkit; a notebook asks for hints: neither may pay for torch or pandas."""
     code = ("import sys, labkit; names = dir(labkit); "
