@@ -298,9 +298,9 @@ def test_every_hint_a_check_points_to_exists(exercise):
 
     module = _checks.exercises()[exercise]
     assert module.HINTS and all(isinstance(text, str) and text for text in module.HINTS), exercise
-    numbers = {keyword.value.value for node in ast.walk(ast.parse(inspect.getsource(module)))
-               if isinstance(node, ast.Call) for keyword in node.keywords
-               if keyword.arg == "hint" and isinstance(keyword.value, ast.Constant) and keyword.value.value is not None}
+    hints = [keyword.value for node in ast.walk(ast.parse(inspect.getsource(module)))
+             if isinstance(node, ast.Call) for keyword in node.keywords if keyword.arg == "hint"]
+    numbers = {h.value for h in hints if isinstance(h, ast.Constant) and h.value is not None}
     assert numbers <= set(range(1, len(module.HINTS) + 1)), (exercise, sorted(numbers), len(module.HINTS))
 
 
