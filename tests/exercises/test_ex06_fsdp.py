@@ -20,9 +20,9 @@ _ROOT = "fully_shard(model)  # the root last: it takes the stem and the head, an
 MISTAKES = {
     # The answer says that wrapping only the root keeps the bytes at rest and gathers the whole
     # model at once: this mistake checks both halves.
-    "only-the-root-sharded": Mistake(_BLOCKS, "",
-                                     "with only the root wrapped, FSDP gathers every weight when the forward pass starts",
-                                     ("your prediction is exact on every rank", "your measurement is exact")),
+    "only-the-root-sharded": Mistake(
+        _BLOCKS, "", "with only the root wrapped, FSDP gathers every weight when the forward pass starts",
+        ("your prediction is exact on every rank", "your measurement is exact")),
     "root-not-sharded": Mistake(_ROOT, "", "call fully_shard(model) after the blocks",
                                 ("each of the 4 blocks is an FSDP unit",)),
     "root-sharded-first": Mistake(_BLOCKS + _ROOT, _ROOT + _BLOCKS,
