@@ -18,6 +18,10 @@ HINTS = [
 
 #: Three ranks, so that a number written for two shows up.
 NPROC = 3
+#: A script with no collective (the all_reduce forgotten) may leave while a peer is still connecting
+#: to it inside init_process_group, and gloo then fails that peer ("Connection closed by peer"):
+#: PyTorch's own barrier at the end of init_process_group lets the check see the mistake instead.
+ENV = {"TORCH_DIST_INIT_BARRIER": "1"}
 
 
 @check
@@ -26,7 +30,8 @@ def check_hello(target="scripts/ex00_hello.py", *, timeout: float = 180) -> Feed
 
     Launches on 3 CPU ranks, so that a number written for 2 ranks shows up.
     """
-    feedback, run = launched(EXERCISE, target, nproc=NPROC, device="cpu", timeout=timeout, name="check-00-hello")
+    feedback, run = launched(EXERCISE, target, nproc=NPROC, device="cpu", env=ENV, timeout=timeout,
+                             name="check-00-hello")
     df = _metrics(feedback, run, ["my_rank", "my_world_size", "rank_sum"])
     _who_is_who(feedback, run.nproc, _last(df, "my_rank"), _last(df, "my_world_size"))
     _the_sum(feedback, run.nproc, _last(df, "rank_sum"))
