@@ -291,6 +291,12 @@ def test_every_exercise_notebook_has_its_check_module_and_every_module_a_noteboo
         f"{sorted(_checks.exercises())}")
 
 
+@pytest.mark.parametrize("name", _checks.check_names())
+def test_every_check_wears_check_so_that_a_stop_ends_it_not_the_notebook(name):
+    assert getattr(labkit, name).__code__ is check(lambda: None).__code__, (
+        f"{name} is not decorated with @check (labkit._feedback): a finding that stops it would raise")
+
+
 @pytest.mark.parametrize("exercise", list(_checks.exercises()))
 def test_every_hint_a_check_points_to_exists(exercise):
     import ast
