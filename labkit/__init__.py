@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import importlib
 
+from labkit import _checks
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -70,9 +72,6 @@ _LAZY = {
     "NoMetricsError": "labkit._errors",
     "RankFailure": "labkit._errors",
     "Feedback": "labkit._feedback",
-    "check_hello": "labkit._checks",
-    "check_training_loop": "labkit._checks",
-    "check_ddp": "labkit._checks",
     "hint": "labkit._hints",
     # lesson 08: Slurm
     "sbatch": "labkit._slurm",
@@ -87,20 +86,16 @@ _LAZY = {
     "elastic_rounds": "labkit._elastic",
     "elastic_losses": "labkit._elastic",
     "plot_elastic": "labkit._elastic",
-    # exercises 03 to 06
-    "check_syncbn": "labkit._checks",
-    "check_accumulation": "labkit._checks",
-    "check_resume": "labkit._checks",
-    "check_fsdp": "labkit._checks",
 }
 _SUBMODULES = {"metrics", "data", "models", "checkpoint", "memory", "exercises", "syncbn", "comm"}
 
-__all__ = sorted([*_LAZY, *_SUBMODULES])
+# Every exercise's check_<name>, found by its module's file name (labkit/_checks/exNN_<name>.py).
+__all__ = sorted([*_LAZY, *_SUBMODULES, *_checks.check_names()])
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY or name.startswith("check_") and name in _checks.check_names():
+        value = getattr(importlib.import_module(_LAZY.get(name, "labkit._checks")), name)
         globals()[name] = value
         return value
     if name in _SUBMODULES:
@@ -109,4 +104,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return __all__
+    return sorted({*__all__, *_checks.check_names()})

@@ -1,18 +1,47 @@
 """What a check says to a learner: a list of findings, each right, wrong or not done yet.
 
-``labkit.check_*`` functions (the ``_checks`` package) build a Feedback. In Jupyter it shows as a
-short list with a verdict and a pointer to the hints; it also carries a small JSON part
-(``application/vnd.labkit.feedback+json``) that the course's tests read from executed
-notebooks, so a solution's checks can be asserted without an ``assert`` in the notebook.
+``labkit.check_*`` functions (one module per exercise in the ``_checks`` package) build a
+Feedback. In Jupyter it shows as a short list with a verdict and a pointer to the hints; it also
+carries a small JSON part (``application/vnd.labkit.feedback+json``) that the course's tests read
+from executed notebooks, so a solution's checks can be asserted without an ``assert`` in the
+notebook.
+
+A check is a few phases, one function each, run in order. Each phase adds findings
+(``ok``, ``fail``, ``todo``, ``expect``). A finding after which the rest cannot be judged ends
+the check: ``feedback.stop(text)`` records it as a ✗ and stops, ``feedback.require(condition,
+right, wrong)`` stops only when the condition fails, and ``feedback.stop()`` without a text stops
+on the findings already made. The check function wears ``@check``, which catches that stop
+signal, once, and returns the Feedback as it stands. ``launched`` launches the script and ends the
+check when the launch fails (``attempt``'s findings say why: a TODO, a rank's exception, a hang)::
+
+    EXERCISE = "09-demo"
+
+    @check
+    def check_demo(target="scripts/ex09_demo.py", *, timeout: float = 180) -> Feedback:
+        feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-09-demo", **_ranks(2))
+        df = _metrics(feedback, run, ["loss"])         # stops by itself when a column is missing
+        _the_loss_falls(feedback, df)
+        return feedback
+
+    def _the_loss_falls(feedback: Feedback, df) -> None:
+        first, last = df["loss"].iloc[0], df["loss"].iloc[-1]
+        feedback.require(last < first, f"the loss falls ({first:.2f} → {last:.2f})",
+                         "the loss never falls: is optimizer.step() called?", hint=1)
+        ...                                            # runs only when the loss fell
+
+The signal (``_Stop``) is private: a check never catches it, and nothing outside ``@check``
+raises it.
 """
 
 from __future__ import annotations
 
+import functools
 import html
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from labkit._errors import LaunchError, LaunchTimeout, ScriptError
 
@@ -63,6 +92,19 @@ class Feedback:
         """
         (self.ok if condition else self.fail)(right if condition else wrong, hint=hint)
         return bool(condition)
+
+    def require(self, condition: bool, right: str, wrong: str, *, hint: int | None = None) -> None:
+        """``expect``, and when ``condition`` fails the check ends after ``wrong``: what it would
+        look at next cannot be judged without this (only inside a ``@check`` function)."""
+        if not self.expect(condition, right, wrong, hint=hint):
+            raise _Stop(self)
+
+    def stop(self, text: str | None = None, *, hint: int | None = None) -> NoReturn:
+        """End the check here: with ``text`` as a ✗ finding, or, without it, on the findings
+        already made (e.g. ``attempt``'s, when the launch failed). Only inside a ``@check`` function."""
+        if text is not None:
+            self.fail(text, hint=hint)
+        raise _Stop(self)
 
     @property
     def status(self) -> str:
@@ -127,6 +169,30 @@ class Feedback:
                        "items": [list(item) for item in self.items]}}
 
 
+class _Stop(BaseException):
+    """The stop signal: a finding ended the check. Raised by ``Feedback.stop`` and
+    ``Feedback.require``, caught by ``@check`` and nowhere else (a BaseException, as pytest's
+    outcomes are, so that a check's ``except Exception`` cannot swallow it)."""
+
+    def __init__(self, feedback: Feedback):
+        super().__init__(f"a check of exercise {feedback.exercise} stopped outside a @check function")
+        self.feedback = feedback
+
+
+def check(function):
+    """Decorate a check: a finding that ends it (``Feedback.stop``, ``Feedback.require``) returns
+    the Feedback from here, with every finding made so far. See the module's docstring."""
+
+    @functools.wraps(function)
+    def checked(*args, **kwargs) -> Feedback:
+        try:
+            return function(*args, **kwargs)
+        except _Stop as stop:
+            return stop.feedback
+
+    return checked
+
+
 def _where(failure, script: str) -> str:
     """' (scripts/ex.py, line 42)' from the last frame of the script in a traceback."""
     found = [m for m in _LINE.finditer(failure.traceback or "")
@@ -138,14 +204,17 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def _stopped(feedback: Feedback):
-    """(feedback, None) for a launch that did not succeed: nothing of the run can be checked."""
-    feedback.stopped = True
+def _stopped(feedback: Feedback, checked_before: bool):
+    """(feedback, None) for a launch that did not succeed: nothing of this run can be checked."""
+    feedback.stopped = not checked_before
     return feedback, None
 
 
-def attempt(exercise: str, target, **launch_options):
+def attempt(exercise: str | Feedback, target, **launch_options):
     """Launch the learner's script (or take a finished Run) for a check.
+
+    ``exercise``: the exercise's id (a new Feedback is made), or the Feedback of a check
+    that launches more than once, to add this launch's findings to.
 
     Returns ``(feedback, run)``. ``run`` is None when the launch did not succeed; the
     feedback then already says why, in words: a target that is not a script, a TODO not
@@ -157,7 +226,8 @@ def attempt(exercise: str, target, **launch_options):
     from labkit._launch import launch
     from labkit._run import Run
 
-    feedback = Feedback(exercise)
+    feedback = exercise if isinstance(exercise, Feedback) else Feedback(exercise)
+    before = bool(feedback.items)
     if isinstance(target, Run):
         feedback.run = target
         return feedback, target
@@ -166,18 +236,18 @@ def attempt(exercise: str, target, **launch_options):
     except TypeError:
         feedback.fail(f"a check takes the path of your script (the file that the %%writefile cell "
                       f"wrote), not {type(target).__name__} {target!r}.")
-        return _stopped(feedback)
+        return _stopped(feedback, before)
     if os.path.isdir(script):
         feedback.fail(f"{script} is a folder: pass the path of the script that the %%writefile "
                       f"cell wrote.")
-        return _stopped(feedback)
+        return _stopped(feedback, before)
     if not script.endswith(".py"):  # launch would refuse it with a ValueError
         from labkit._plan import _written_scripts
 
         written = _written_scripts(Path(script)) if script.endswith(".ipynb") else []
         feedback.fail(f"{script} is not a Python script: pass the path of the .py file that the "
                       f"%%writefile cell wrote" + (f", e.g. {written[0]}." if written else "."))
-        return _stopped(feedback)
+        return _stopped(feedback, before)
     try:
         run = launch(script, **launch_options)
     except FileNotFoundError:
@@ -188,16 +258,16 @@ def attempt(exercise: str, target, **launch_options):
                           f"exercises/ folder, or create {folder!r} there first.")
         else:
             feedback.todo(f"{script} does not exist yet: run the %%writefile cell above first.")
-        return _stopped(feedback)
+        return _stopped(feedback, before)
     except ScriptError as err:
         feedback.fail(f"the script does not compile: {str(err).splitlines()[0]}")
-        return _stopped(feedback)
+        return _stopped(feedback, before)
     except LaunchTimeout as err:
         where = "; ".join(f"rank {r} at {s}" for r, s in sorted(err.stacks.items()))
         feedback.fail(f"the run did not finish within {err.run.info.get('timeout')} s"
                       + (f": {where}" if where else "") + f". {_sentence(err.hint)}")
         feedback.run = err.run
-        return _stopped(feedback)
+        return _stopped(feedback, before)
     except LaunchError as err:
         feedback.run = err.run
         root = feedback.failure = err.root_cause
@@ -214,6 +284,18 @@ def attempt(exercise: str, target, **launch_options):
                           + f". {_sentence(err.hint)}")
         else:
             feedback.fail(f"the run failed: {err.summary} {_sentence(err.hint)}")
-        return _stopped(feedback)
+        return _stopped(feedback, before)
     feedback.run = run
+    return feedback, run
+
+
+def launched(exercise: str | Feedback, target, *, explain=None, **launch_options):
+    """``attempt``, inside a ``@check``: returns ``(feedback, run)``, or ends the check when the launch
+    did not succeed (its findings say why). ``explain(feedback, target)``, when given, may first add
+    what such a failure most likely means in this exercise."""
+    feedback, run = attempt(exercise, target, **launch_options)
+    if run is None:
+        if explain is not None:
+            explain(feedback, target)
+        feedback.stop()
     return feedback, run

@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from labkit import _course
+from labkit._checks import parse_exercise
 
 __all__ = ["strip_solutions", "exercise_notebook", "generate", "stale", "restore", "main"]
 
@@ -176,12 +177,18 @@ def _one(notebooks: list[Path], which: str, where: Path) -> Path:
 
 
 def _named(notebooks: list[Path], which: str) -> list[Path]:
-    """The notebooks ``which`` names: a number ('02' or '2'), a name ('02_ddp'), an id ('02-ddp')."""
-    key = which.strip().removesuffix(".ipynb")
-    if key.isdigit():
-        return [p for p in notebooks if p.name[:2] == key.zfill(2)]
-    return [p for p in notebooks if p.stem == key
-            or (p.name[:2] == key[:2] and f"Exercise id: `{key}`" in p.read_text(encoding="utf-8"))]
+    """The notebooks ``which`` names: a number ('02' or '2'), a name ('02_ddp'), an id ('02-ddp',
+    as the notebook's title gives it). Read as ``labkit.hint`` reads it (``_checks.parse_exercise``)."""
+    parsed = parse_exercise(which)
+    if parsed is None:
+        return []
+    number, exercise, stem = parsed
+    ours = [p for p in notebooks if p.name[:2] == number]
+    if stem is not None:
+        return [p for p in ours if p.stem == stem]
+    if exercise is not None:
+        return [p for p in ours if f"Exercise id: `{exercise}`" in p.read_text(encoding="utf-8")]
+    return ours
 
 
 def _render(solution: Path) -> str:

@@ -45,12 +45,8 @@ LEFT_OUT = {
 }
 # Top-level names of a kept Python file whose values quote the answers. A dict keeps its keys
 # (the tests it feeds are still listed, and skip saying why: they need solutions/); any other
-# value goes. The wrong answers of exercises 00-06 still live in tests/test_checks.py until they
-# move to tests/exercises/; then this entry goes (build() says so if a name is missing).
-ANSWERS_IN = {
-    "tests/test_checks.py": ("MISTAKES", "MISTAKES_03_04", "MISTAKES_05_06",
-                             "_BLOCKS_06", "_ROOT_06", "_SUMS_03", "_RUNNING_03", "_MICRO_04"),
-}
+# value goes. Empty: every test that quotes an answer lives in tests/exercises/ (LEFT_OUT).
+ANSWERS_IN: dict[str, tuple[str, ...]] = {}
 # The teaching material a learner is meant to read: an answer line that also appears here
 # (a lesson teaches it, an exercise's skeleton keeps it, labkit's hints end with the answer by
 # design, the lessons display labkit's layers) is not a leak. Every other file is searched.

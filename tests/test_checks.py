@@ -1,108 +1,24 @@
-"""The exercises' checks: each common mistake gets the message that names it.
+"""The exercises' checks, apart from any one exercise: Feedback and its stop signal, the launch
+a check attempts, the registry that finds every exercise's module, and the hints.
 
-A deliberately wrong solution is the solution notebook's own script with one mistake
-put in (an exact text replacement: if the solution changes, the test says so). Each is
-launched for real, as a learner's would be.
+Each exercise's wrong answers, and every test that quotes an answer, are in tests/exercises/.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 import labkit
-from labkit._feedback import MIME, Feedback, attempt
-from labkit._checks import fsdp as fsdp_check
+from labkit import _checks
+from labkit._feedback import MIME, Feedback, _Stop, attempt, check
 from conftest import ROOT
 from test_launch import MISMATCH
-
-WRITEFILE = re.compile(r"^%%writefile\s+(\S+)\s*\n")
-
-
-def solution_script(notebook: str) -> str:
-    """The text of the script that solutions/<notebook> writes."""
-    for cell in json.loads((ROOT / "solutions" / notebook).read_text())["cells"]:
-        source = "".join(cell["source"])
-        match = WRITEFILE.match(source)
-        if cell["cell_type"] == "code" and match:
-            return source[match.end():]
-    raise AssertionError(f"solutions/{notebook} writes no script")
-
-
-def wrong(notebook: str, old: str, new: str) -> str:
-    text = solution_script(notebook)
-    assert text.count(old) == 1, f"solutions/{notebook} no longer holds {old!r} exactly once"
-    return text.replace(old, new)
-
-
-# (check, solution notebook, text in the solution, the mistake, words the message must hold)
-MISTAKES = {
-    "00-no-all-reduce": (labkit.check_hello, "00_setup.ipynb",
-                         "dist.all_reduce(value)\n", "",
-                         "each rank's sum is its own rank number"),
-    "00-max-instead-of-sum": (labkit.check_hello, "00_setup.ipynb",
-                              "dist.all_reduce(value)", "dist.all_reduce(value, op=dist.ReduceOp.MAX)",
-                              "not the sum"),
-    "00-world-size-from-gpus": (labkit.check_hello, "00_setup.ipynb",
-                                'world_size = int(os.environ["WORLD_SIZE"])',
-                                "world_size = max(1, torch.cuda.device_count())",
-                                "read WORLD_SIZE"),
-    "01-one-rate-for-all": (labkit.check_training_loop, "01_single_device.ipynb",
-                            "lr = args.lrs[rank]", "lr = args.lrs[0]", "pick args.lrs[rank]"),
-    "01-no-zero-grad": (labkit.check_training_loop, "01_single_device.ipynb",
-                        "        optimizer.zero_grad(set_to_none=True)\n", "",
-                        "clear the old gradients"),
-    "01-no-eval-mode": (labkit.check_training_loop, "01_single_device.ipynb",
-                        "    model.eval()\n", "", "call model.eval() before"),
-    "01-no-train-mode-after": (labkit.check_training_loop, "01_single_device.ipynb",
-                               "    model.train()\n", "", "call model.train() after"),
-    "01-winner-not-gathered": (labkit.check_training_loop, "01_single_device.ipynb",
-                               "best_accuracy, best_lr = max(results)",
-                               "best_accuracy, best_lr = accuracy, lr", "dist.all_gather_object"),
-    "02-no-sampler-in-loader": (labkit.check_ddp, "02_ddp.ipynb",
-                                "batch_size=args.batch_size, sampler=sampler, drop_last=True",
-                                "batch_size=args.batch_size, shuffle=True, drop_last=True",
-                                "rank 1 saw the same samples as rank 0: is the DistributedSampler in place"),
-    "02-no-set-epoch": (labkit.check_ddp, "02_ddp.ipynb",
-                        "    sampler.set_epoch(epoch)\n", "    pass\n", "sampler.set_epoch(epoch)"),
-    "02-no-ddp-wrap": (labkit.check_ddp, "02_ddp.ipynb",
-                       'model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)\n',
-                       "", "wrap the model in DistributedDataParallel"),
-    "02-accuracy-not-reduced": (labkit.check_ddp, "02_ddp.ipynb",
-                                "    dist.all_reduce(counts)\n", "    pass\n",
-                                "dist.all_reduce the counts"),
-    "02-every-rank-prints": (labkit.check_ddp, "02_ddp.ipynb",
-                             "    if rank == 0:\n", "    if True:\n", "print only where rank == 0"),
-    "02-sampler-not-shuffled": (labkit.check_ddp, "02_ddp.ipynb",
-                                "rank=rank, shuffle=True,", "rank=rank, shuffle=False,",
-                                "keep the sampler's shuffle=True"),
-    "02-no-destroy": (labkit.check_ddp, "02_ddp.ipynb",
-                      "dist.destroy_process_group()\n", "", "never calls dist.destroy_process_group()"),
-    "02-gpu-device-ids-on-cpu": (labkit.check_ddp, "02_ddp.ipynb",
-                                 'device_ids=[local_rank] if device.type == "cuda" else None',
-                                 "device_ids=[local_rank]", "DDP takes device_ids=None"),
-}
-
-# The hint that a check's closing line points to, for some mistakes: the one about that mistake.
-HINT_FOR = {"00-no-all-reduce": 3, "01-no-eval-mode": 2, "02-no-sampler-in-loader": 2,
-            "02-no-set-epoch": 2, "02-no-ddp-wrap": 3, "02-no-destroy": 3, "04-no-no-sync": 2,
-            "06-root-sharded-first": 1, "06-measured-without-optimizer": 3}
-
-
-@pytest.mark.launch
-@pytest.mark.solutions
-@pytest.mark.parametrize("mistake", MISTAKES)
-def test_each_mistake_gets_the_message_that_names_it(mistake, workdir):
-    check, notebook, old, new, words = MISTAKES[mistake]
-    (workdir / "scripts").mkdir()
-    (workdir / "scripts" / "mine.py").write_text(wrong(notebook, old, new))
-    feedback = check("scripts/mine.py")
-    assert feedback.status == "failed", feedback
-    assert any(words in text for text in feedback.messages("fail")), feedback
-    if mistake in HINT_FOR:
-        assert f"labkit.hint({feedback.exercise!r}, {HINT_FOR[mistake]}) is about the first thing to fix" in str(feedback)
 
 
 # -- Feedback and attempt, without launching ---------------------------------------------------
@@ -140,6 +56,50 @@ def test_the_hint_line_points_to_the_hint_about_the_first_thing_wrong():
     unsure = Feedback("02-ddp")
     unsure.fail("something without a hint")
     assert "labkit.hint('02-ddp', 1) gives a first hint" in str(unsure)
+
+
+# -- the stop signal ---------------------------------------------------------------------------
+@check
+def _two_phases(first_right: bool, *, stop_with: str | None = None) -> Feedback:
+    feedback = Feedback("09-demo")
+    feedback.require(first_right, "the first phase is right", "the first phase is wrong", hint=1)
+    if stop_with is not None:
+        feedback.stop(stop_with, hint=2)
+    feedback.ok("the second phase ran")
+    return feedback
+
+
+def test_a_finding_that_ends_the_check_returns_the_findings_so_far():
+    assert _two_phases(True).messages() == ["the first phase is right", "the second phase ran"]
+    stopped = _two_phases(False)
+    assert stopped.items == [("fail", "the first phase is wrong")] and stopped.hints == [1]
+    ended = _two_phases(True, stop_with="nothing more can be judged")
+    assert ended.items[-1] == ("fail", "nothing more can be judged") and ended.hints[-1] == 2
+    assert "the second phase ran" not in ended.messages()
+
+
+def test_stop_without_a_text_keeps_the_findings_already_made():
+    @check
+    def launch_failed() -> Feedback:
+        feedback = Feedback("09-demo")
+        feedback.todo("TODO: write this part (scripts/ex09.py, line 3)")
+        feedback.stop()
+
+    assert launch_failed().messages() == ["TODO: write this part (scripts/ex09.py, line 3)"]
+
+
+def test_check_keeps_the_checks_name_signature_and_docstring():
+    import inspect
+
+    assert _two_phases.__name__ == "_two_phases"
+    assert list(inspect.signature(labkit.check_ddp).parameters) == ["target", "timeout"]
+    assert labkit.check_ddp.__doc__.startswith("Exercise 02-ddp:")
+
+
+def test_a_stop_outside_a_check_is_a_clear_error_not_a_silent_exit():
+    with pytest.raises(_Stop, match="stopped outside a @check function"):
+        Feedback("09-demo").stop("wrong")
+    assert not issubclass(_Stop, Exception), "a check's `except Exception` must not swallow it"
 
 
 @pytest.mark.launch
@@ -230,148 +190,17 @@ def test_a_bad_hint_request_is_a_clear_error(exercise, number, match):
 
 
 def test_every_exercise_has_hints_and_every_hint_is_used():
-    from labkit._hints import HINTS
     ids = set()
     for path in sorted((ROOT / "exercises").glob("[0-9][0-9]_*.ipynb")):  # a hand-out has these too
         text = path.read_text()
         ids |= set(re.findall(r"labkit\.hint\(\\\"(\d\d-[a-z0-9-]+)\\\"", text))
-    assert ids == set(HINTS), (ids, set(HINTS))
+    assert ids == set(_checks.exercises()), (ids, set(_checks.exercises()))
 
 
-# -- exercises 03 to 06 ---------------------------------------------------------------------------
 
-_BLOCKS_06 = ("for block in model.blocks:  # each block its own unit: gathered just before it runs, "
-              "freed after\n    fully_shard(block)\n")
-_ROOT_06 = "fully_shard(model)  # the root last: it takes the stem and the head, and drives the step\n"
-
-_SUMS_03 = "total = AllReduceSum.apply(local)"
-_RUNNING_03 = ("            self.running_mean.lerp_(mean, self.momentum)\n"
-               "            self.running_var.lerp_(var * n / (n - 1), self.momentum)  # unbiased: what BatchNorm keeps\n")
-_MICRO_04 = "with nullcontext() if last else model.no_sync():"
-_OUTPUTS_03 = "every rank's outputs equal nn.BatchNorm2d's"
-_GRADIENT_04 = "the gradient of every optimizer step, on every rank, is that of one batch"
-# (check, solution notebook, text in the solution, the mistake, words a ✗ must hold,
-#  words that ✓ findings must still hold: the check blames the mistake, not what is right)
-MISTAKES_03_04 = {
-    "03-local-statistics": (
-        labkit.check_syncbn, "03_syncbn.ipynb", _SUMS_03, "total = local",
-        "each rank normalised its slice with its own mean and variance", []),
-    "03-all-reduce-autograd-cannot-see": (
-        labkit.check_syncbn, "03_syncbn.ipynb", _SUMS_03,
-        "dist.all_reduce(local)  # in place: autograd never sees it\n        total = local",
-        "the gradient does not travel back through the all-reduce", [_OUTPUTS_03, "running_mean and running_var"]),
-    "03-backward-not-summed": (
-        labkit.check_syncbn, "03_syncbn.ipynb", "        dist.all_reduce(grad, op=dist.ReduceOp.SUM)\n", "",
-        "AllReduceSum.backward must all-reduce grad_output too", [_OUTPUTS_03]),
-    "03-means-averaged-not-weighted": (
-        labkit.check_syncbn, "03_syncbn.ipynb",
-        "local = torch.cat([x.sum(dims), (x * x).sum(dims), count])",
-        "local = torch.cat([x.mean(dims), (x * x).mean(dims), torch.ones_like(count)])",
-        "you took the mean as the plain average of the ranks' means", []),
-    "03-biased-running-var": (
-        labkit.check_syncbn, "03_syncbn.ipynb",
-        "self.running_var.lerp_(var * n / (n - 1), self.momentum)", "self.running_var.lerp_(var, self.momentum)",
-        "running_var holds the biased variance", [_OUTPUTS_03, "so are the input gradients"]),
-    "03-no-running-update": (
-        labkit.check_syncbn, "03_syncbn.ipynb", _RUNNING_03, "",
-        "running_mean and running_var never changed", [_OUTPUTS_03]),
-    "04-loss-not-scaled": (
-        labkit.check_accumulation, "04_accumulation.ipynb",
-        "loss = F.cross_entropy(model(x), y) / k", "loss = F.cross_entropy(model(x), y)",
-        "the gradient is 4× too large", ["DDP all-reduced every gradient once per optimizer step"]),
-    "04-no-no-sync": (
-        labkit.check_accumulation, "04_accumulation.ipynb", _MICRO_04, "with nullcontext():",
-        "Correct but wasteful", [_GRADIENT_04]),
-    "04-no-sync-on-the-last-micro-step-too": (
-        labkit.check_accumulation, "04_accumulation.ipynb", _MICRO_04, "with model.no_sync():",
-        "DDP never all-reduced a gradient", ["optimizer.step() ran once per optimizer step"]),
-    "04-step-every-micro-step": (
-        labkit.check_accumulation, "04_accumulation.ipynb",
-        "            loss.backward()  # adds into .grad\n    optimizer.step()\n",
-        "            loss.backward()  # adds into .grad\n        optimizer.step()\n",
-        "optimizer.step() ran 4 times per optimizer step", []),
-    "04-zero-grad-inside-the-loop": (
-        labkit.check_accumulation, "04_accumulation.ipynb",
-        "        last = i == k - 1\n", "        last = i == k - 1\n        optimizer.zero_grad(set_to_none=True)\n",
-        "zero_grad inside the micro-step loop clears what the earlier micro-steps added",
-        ["optimizer.step() ran once per optimizer step"]),
-    "04-gradients-never-cleared": (
-        labkit.check_accumulation, "04_accumulation.ipynb",
-        "    optimizer.zero_grad(set_to_none=True)  # the next optimizer step starts from nothing\n", "",
-        "the first optimizer step is right, but from step 2 on the gradient still holds the previous step's", []),
-}
-
-MISTAKES_05_06 = {
-    "05-optimizer-not-restored": (
-        labkit.check_resume, "05_checkpointing.ipynb",
-        '    optimizer.load_state_dict(state["optimizer"])\n', "",
-        "the losses leave the uninterrupted run's from step 14 on: save and restore the optimizer's "
-        "state (its momentum) too",
-        ["exactly the weights saved at step 12", "random stream goes on where it was"]),
-    "05-rng-not-restored": (
-        labkit.check_resume, "05_checkpointing.ipynb",
-        "    checkpoint.set_rng_state(state[\"rng\"][rank])  # this rank's own streams\n", "",
-        "save every rank's checkpoint.rng_state() and restore it with checkpoint.set_rng_state",
-        ["the optimizer's momentum came back"]),
-    "05-rank-0-rng-for-every-rank": (
-        labkit.check_resume, "05_checkpointing.ipynb",
-        '"rng": rngs}', '"rng": [checkpoint.rng_state()] * world_size}',
-        "went on with rank 0's random stream, not its own", []),
-    "05-sampler-position-not-restored": (
-        labkit.check_resume, "05_checkpointing.ipynb",
-        'step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]',
-        'step = state["step"]',
-        "save epoch and batch_in_epoch, and restore both", ["random stream goes on where it was"]),
-    "05-wrapper-state-dict-saved": (
-        labkit.check_resume, "05_checkpointing.ipynb",
-        '"model": model.module.state_dict()', '"model": model.state_dict()',
-        "that is the DDP wrapper's state_dict. Save the unwrapped model", []),
-    # Exercise 06's answer says that wrapping only the root keeps the bytes at rest and gathers
-    # the whole model at once: this mistake checks both halves.
-    "06-only-the-root-sharded": (
-        labkit.check_fsdp, "06_fsdp.ipynb", _BLOCKS_06, "",
-        "with only the root wrapped, FSDP gathers every weight when the forward pass starts",
-        ["your prediction is exact on every rank", "your measurement is exact"]),
-    "06-root-not-sharded": (
-        labkit.check_fsdp, "06_fsdp.ipynb", _ROOT_06, "",
-        "call fully_shard(model) after the blocks", ["each of the 4 blocks is an FSDP unit"]),
-    "06-root-sharded-first": (
-        labkit.check_fsdp, "06_fsdp.ipynb", _BLOCKS_06 + _ROOT_06, _ROOT_06 + _BLOCKS_06,
-        "The order matters: fully_shard each block first, then the model", []),
-    "06-no-step-counter-predicted": (
-        labkit.check_fsdp, "06_fsdp.ipynb",
-        "optimizer=2 * params + 4 * tensors", "optimizer=2 * params",
-        "AdamW keeps a 4-byte step counter for each of the 30 parameter tensors",
-        ["your measurement is exact"]),
-    "06-measured-without-optimizer": (
-        labkit.check_fsdp, "06_fsdp.ipynb",
-        "measured = memory.model_bytes(model, optimizer)", "measured = memory.model_bytes(model)",
-        "you measured no optimizer state: pass the optimizer too", ["your prediction is exact"]),
-}
-
-
-MISTAKES_03_06 = {**MISTAKES_03_04, **MISTAKES_05_06}
-
-
-@pytest.mark.launch
-@pytest.mark.solutions
-@pytest.mark.parametrize("mistake", MISTAKES_03_06)
-def test_each_03_to_06_mistake_gets_the_message_that_names_it(mistake, workdir):
-    check, notebook, old, new, words, still_right = MISTAKES_03_06[mistake]
-    (workdir / "scripts").mkdir()
-    (workdir / "scripts" / "mine.py").write_text(wrong(notebook, old, new))
-    feedback = check("scripts/mine.py")
-    assert feedback.status == "failed", feedback
-    assert any(words in text for text in feedback.messages("fail")), feedback
-    if mistake in HINT_FOR:
-        assert f"labkit.hint({feedback.exercise!r}, {HINT_FOR[mistake]}) is about the first thing to fix" in str(feedback)
-    for right in still_right:
-        assert any(right in text for text in feedback.messages("ok")), (right, str(feedback))
-
-
-@pytest.mark.parametrize("check", [labkit.check_syncbn, labkit.check_accumulation, labkit.check_resume,
-                                   labkit.check_fsdp])
-def test_a_bad_target_is_a_finding_not_a_crash(check, workdir):
+@pytest.mark.parametrize("name", _checks.check_names())
+def test_a_bad_target_is_a_finding_not_a_crash(name, workdir):
+    check = getattr(labkit, name)
     (workdir / "scripts").mkdir()
     missing = check("scripts/nope.py")
     assert missing.status == "unfinished"
@@ -388,96 +217,115 @@ def test_a_bad_target_is_a_finding_not_a_crash(check, workdir):
         "wrote, e.g. scripts/ex_mine.py.")
 
 
-def test_check_resume_asks_for_a_script_not_a_finished_run(workdir):
-    from labkit._run import Run
+# -- the registry: one module per exercise, found by its name ------------------------------------
+_DEMO = """
+    from labkit._feedback import Feedback, check
 
-    feedback = labkit.check_resume(Run(workdir, {"name": "earlier"}))
-    assert feedback.status == "failed" and "pass the script's path" in feedback.messages("fail")[0]
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("rows", [1, 6, 10, 64, 257])
-def test_the_checks_shard_rows_are_torch_chunks(rows, world_size):
-    import torch
-
-    chunks = [len(c) for c in torch.chunk(torch.empty(rows), world_size)]
-    chunks += [0] * (world_size - len(chunks))  # torch.chunk may make fewer chunks than ranks
-    assert [fsdp_check._shard_rows(rows, world_size, r) for r in range(world_size)] == chunks
+    EXERCISE = "99-demo"
+    HINTS = ["a nudge", "all but the answer"]
 
 
-@pytest.mark.parametrize("predicted, words", [
-    ((551_208, 551_208, 1_102_536), "you predicted the whole model's 551,208 bytes"),
-    ((275_604, 551_208, 551_328), "each rank keeps only its own shard's gradient"),
-    ((275_604, 275_604, 551_208), "120 bytes short"),
-    ((275_604, 275_604, 275_724), "AdamW keeps two moments per weight"),
-    ((275_604, 275_604, 9), "two moments the size of its shard, and a 4-byte step counter"),
+    @check
+    def check_demo(target="scripts/ex99_demo.py", *, timeout: float = 1) -> Feedback:
+        feedback = Feedback(EXERCISE)
+        feedback.stop(f"looked at {target}")
+"""
+
+
+@pytest.fixture
+def demo_exercise(tmp_path, monkeypatch):
+    """A new exercise module, ex99_demo.py, in a second folder of the _checks package."""
+    (tmp_path / "ex99_demo.py").write_text(textwrap.dedent(_DEMO))
+    monkeypatch.setattr(_checks, "__path__", [*_checks.__path__, str(tmp_path)])
+    yield
+    sys.modules.pop("labkit._checks.ex99_demo", None)
+    vars(labkit).pop("check_demo", None)
+
+
+def test_a_new_exercise_module_is_found_with_no_other_edit(demo_exercise):
+    assert "check_demo" in dir(labkit) and _checks.check_names()[-1] == "check_demo"
+    assert labkit.check_demo("mine.py").messages("fail") == ["looked at mine.py"]
+    assert labkit.hint("99-demo", 2).text == "all but the answer"
+    assert labkit.hint("99", 1).text == labkit.hint("99_demo.ipynb", 1).text == "a nudge"
+    assert list(_checks.exercises())[-1] == "99-demo"
+
+
+def test_two_modules_for_one_exercise_are_refused(tmp_path, monkeypatch):
+    (tmp_path / "ex02_other.py").write_text("")
+    monkeypatch.setattr(_checks, "__path__", [*_checks.__path__, str(tmp_path)])
+    with pytest.raises(RuntimeError, match=r"ex02_ddp.py and ex02_other.py: one module per exercise"):
+        _checks.check_names()
+
+
+def test_a_module_whose_id_has_another_number_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "ex98_wrong.py").write_text('EXERCISE = "97-wrong"\nHINTS = []\n')
+    monkeypatch.setattr(_checks, "__path__", [*_checks.__path__, str(tmp_path)])
+    try:
+        with pytest.raises(RuntimeError, match=r"ex98_wrong.py sets EXERCISE = '97-wrong': it should be '98-<id>'"):
+            _checks.exercises()
+    finally:
+        sys.modules.pop("labkit._checks.ex98_wrong", None)
+
+
+@pytest.mark.parametrize("which, parsed", [
+    ("02", ("02", None, None)), ("2", ("02", None, None)), (2, ("02", None, None)),
+    ("02-ddp", ("02", "02-ddp", None)), ("02_ddp", ("02", None, "02_ddp")),
+    ("02_ddp.ipynb", ("02", None, "02_ddp")), (" 05_checkpointing ", ("05", None, "05_checkpointing")),
+    ("ddp", None), ("", None), ("02 ddp", None),
 ])
-def test_a_wrong_prediction_is_named_by_its_first_wrong_number(predicted, words):
-    truth = fsdp_check._fsdp_bytes(64, 4, 2, 0)
-    assert (truth["params"], truth["optimizer"], truth["tensors"]) == (275_604, 551_328, 30)
-    assert words in fsdp_check._misprediction(0, predicted, truth, 551_208, 2, 30)
+def test_one_parser_reads_every_way_an_exercise_is_named(which, parsed):
+    assert _checks.parse_exercise(which) == parsed
 
 
-def test_an_even_share_is_wrong_where_rows_do_not_divide():
-    truth = fsdp_check._fsdp_bytes(64, 4, 3, 2)  # 64, 256 and 10 rows: the last rank gets fewer
-    whole = fsdp_check._fsdp_bytes(64, 4, 1, 0)["params"]
-    assert whole % 3 == 0 and truth["params"] != whole // 3
-    message = fsdp_check._misprediction(2, (whole // 3, 0, 0), truth, whole, 3, truth["tensors"])
-    assert "ceil(rows / 3) to a rank, so the last rank(s) get fewer" in message
+@pytest.mark.parametrize("folder", [pytest.param("solutions", marks=pytest.mark.solutions), "exercises"])
+def test_every_exercise_notebook_has_its_check_module_and_every_module_a_notebook(folder):
+    titled = {}
+    for path in sorted((ROOT / folder).glob("[0-9][0-9]_*.ipynb")):
+        title = "".join(json.loads(path.read_text(encoding="utf-8"))["cells"][0]["source"])
+        found = re.search(r"Exercise id: `(\d\d-[a-z0-9-]+)`", title)
+        assert found, f"{folder}/{path.name}: its first cell names no 'Exercise id: `NN-id`'"
+        assert found[1][:2] == path.name[:2], f"{folder}/{path.name} has the id {found[1]}"
+        titled[found[1]] = path.name
+    assert set(titled) == set(_checks.exercises()), (
+        f"ids in {folder}/ notebook titles: {sorted(titled)}; EXERCISE of the modules in labkit/_checks: "
+        f"{sorted(_checks.exercises())}")
 
 
-@pytest.mark.launch
-@pytest.mark.solutions
-def test_check_fsdps_byte_model_is_what_fsdp_holds_where_rows_do_not_divide(workdir):
-    """3 ranks: 64, 256 and 10 rows split unevenly. The check's arithmetic must match FSDP's."""
-    (workdir / "scripts").mkdir()
-    (workdir / "scripts" / "ex06.py").write_text(solution_script("06_fsdp.ipynb"))
-    run = labkit.launch("scripts/ex06.py", nproc=3, device="cpu", timeout=180, quiet=True)
-    held = run.metrics().dropna(subset=["measured_params"]).set_index("rank")
-    for rank in range(3):
-        truth = fsdp_check._fsdp_bytes(64, 4, 3, rank)
-        assert (held.loc[rank, "measured_params"], held.loc[rank, "measured_optim"]) == (
-            truth["params"], truth["optimizer"]), rank
-    assert held["measured_params"].nunique() == 2, "the last rank holds fewer rows"
+@pytest.mark.parametrize("name", _checks.check_names())
+def test_every_check_wears_check_so_that_a_stop_ends_it_not_the_notebook(name):
+    assert getattr(labkit, name).__code__ is check(lambda: None).__code__, (
+        f"{name} is not decorated with @check (labkit._feedback): a finding that stops it would raise")
 
 
-def _fsdp_run(folder, *, units="1111", root=True, skip_rank_1_measurement=False):
-    """A finished 2-rank Run of exercise 06, written by hand with the numbers FSDP holds."""
-    import json as _json
+@pytest.mark.parametrize("exercise", list(_checks.exercises()))
+def test_every_hint_a_check_points_to_exists(exercise):
+    import ast
+    import inspect
 
-    from labkit._run import Run
-
-    (folder / "metrics").mkdir(parents=True)
-    for rank in range(2):
-        held = fsdp_check._fsdp_bytes(64, 4, 2, rank, units=units, root=root)
-        lines = [{"step": 0, "dim": 64, "depth": 4, "predicted_params": 275_604,
-                  "predicted_grads": 275_604, "predicted_optim": 551_328},
-                 {"step": 0, "root_unit": root, "block_units": units}]
-        if not (rank == 1 and skip_rank_1_measurement):
-            lines.append({"step": 1, "measured_params": held["params"], "measured_grads": held["grads"],
-                          "measured_optim": held["optimizer"],
-                          "gathered_bytes": 152_616 if units == "1111" and root else 551_208})
-        (folder / "metrics" / f"rank{rank}.jsonl").write_text("".join(
-            _json.dumps({"rank": rank, "world_size": 2, "restart": 0, "time": 1.0 + i, **line}) + "\n"
-            for i, line in enumerate(lines)))
-    return Run(folder, {"name": "by-hand", "nproc": 2, "device": "cpu"})
+    module = _checks.exercises()[exercise]
+    assert module.HINTS and all(isinstance(text, str) and text for text in module.HINTS), exercise
+    hints = [keyword.value for node in ast.walk(ast.parse(inspect.getsource(module)))
+             if isinstance(node, ast.Call) for keyword in node.keywords if keyword.arg == "hint"]
+    numbers = {h.value for h in hints if isinstance(h, ast.Constant) and h.value is not None}
+    assert numbers <= set(range(1, len(module.HINTS) + 1)), (exercise, sorted(numbers), len(module.HINTS))
 
 
-def test_check_fsdp_reads_a_finished_run(tmp_path):
-    feedback = labkit.check_fsdp(_fsdp_run(tmp_path))
-    assert feedback.passed and len(feedback.items) == 5, feedback
-    assert "exactly 1/2 of the model's 551,208" in feedback.messages("ok")[3]
+def test_listing_the_checks_and_reading_the_hints_import_no_torch():
+    """A rank imports labkit; a notebook asks for hints: neither may pay for torch or pandas."""
+    code = ("import sys, labkit; names = dir(labkit); "
+            "assert not [m for m in sys.modules if m.startswith('labkit._checks.')], 'a check was imported'; "
+            "assert 'check_ddp' in names and 'check_ddp' in labkit.__all__; "
+            "from labkit import _checks; _checks.exercises(); labkit.hint('02', 1); "
+            "heavy = {'torch', 'pandas', 'matplotlib', 'numpy'} & set(sys.modules); "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_check_fsdp_names_the_rank_that_logged_too_little(tmp_path):
-    feedback = labkit.check_fsdp(_fsdp_run(tmp_path, skip_rank_1_measurement=True))
-    assert feedback.messages("fail") == ["rank 1 did not log all the check reads (did the run stop early?): "
-                                         "keep the skeleton's metrics.log(...) lines."]
-
-
-def test_check_fsdp_says_when_nothing_is_sharded(tmp_path):
-    feedback = labkit.check_fsdp(_fsdp_run(tmp_path, units="0000", root=False))
-    fails = feedback.messages("fail")
-    assert "no block is an FSDP unit" in fails[0] and "call fully_shard(model)" in fails[1], feedback
-    assert fails[2] == "nothing is sharded: every rank holds all 551,208 bytes of weights, all the time."
-    assert any("your measurement is exact: rank 0 holds 551,208" in m for m in feedback.messages("ok"))
+def test_what_a_learner_reads_says_optimizer():
+    """PyTorch's word, in every hint, check message, labkit docstring and error, and practice notebook."""
+    sources = [*(ROOT / "labkit").rglob("*.py"), *(ROOT / "exercises").glob("*.ipynb"),
+               *(ROOT / "solutions").glob("*.ipynb")]
+    found = [f"{path.relative_to(ROOT)}:{number}" for path in sources
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"optimis", line, re.I)]
+    assert not found, found

@@ -1,4 +1,5 @@
-"""What every check shares: the ranks to launch, the metrics and files a run left, comparisons."""
+"""What several checks share: the ranks to launch, the metrics, settings and files a run left,
+comparisons. A helper that finds the run unfit to check ends the check (``Feedback.stop``)."""
 
 from __future__ import annotations
 
@@ -16,21 +17,18 @@ def _ranks(minimum: int = 2) -> dict:
 
 
 def _metrics(feedback: Feedback, run, needed: list[str]):
-    """The run's metrics if every rank logged the ``needed`` columns; else a finding and None."""
+    """The run's metrics, if every rank logged the ``needed`` columns; else a finding that ends the check."""
     try:
         df = run.metrics()
     except NoMetricsError:
-        feedback.fail("the script logged no metrics: keep the metrics.log(...) lines of the skeleton.")
-        return None
+        feedback.stop("the script logged no metrics: keep the metrics.log(...) lines of the skeleton.")
     missing = [c for c in needed if c not in df.columns]
     if missing:
-        feedback.fail(f"the script never logged {', '.join(missing)}: keep the skeleton's "
+        feedback.stop(f"the script never logged {', '.join(missing)}: keep the skeleton's "
                       f"metrics.log(...) lines as they are.")
-        return None
     silent = sorted(set(range(run.nproc)) - set(df["rank"]))
     if silent:
-        feedback.fail(f"{_on(silent, run.nproc)} logged nothing: did it stop early?")
-        return None
+        feedback.stop(f"{_on(silent, run.nproc)} logged nothing: did it stop early?")
     return df
 
 
@@ -47,8 +45,8 @@ def _on(ranks, world_size: int) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def _saved(feedback: Feedback, run, stem: str):
-    """{rank: what the rank saved as ``<run folder>/<stem>_rank<R>.pt``}; else a finding and None."""
+def _saved(feedback: Feedback, run, stem: str) -> dict:
+    """{rank: what the rank saved as ``<run folder>/<stem>_rank<R>.pt``}; else a finding that ends the check."""
     import torch
 
     found, missing = {}, []
@@ -60,18 +58,17 @@ def _saved(feedback: Feedback, run, stem: str):
         try:
             found[rank] = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - whatever it is, the learner needs to hear it
-            feedback.fail(f"{path.name} does not load ({str(err).strip().splitlines()[0][:200]}): keep the "
+            feedback.stop(f"{path.name} does not load ({str(err).strip().splitlines()[0][:200]}): keep the "
                           f"skeleton's torch.save(...) line as it is.")
-            return None
     if missing:
-        feedback.fail(f"{_on(missing, run.nproc)} saved nothing in the run folder ({stem}_rank<R>.pt): keep "
+        feedback.stop(f"{_on(missing, run.nproc)} saved nothing in the run folder ({stem}_rank<R>.pt): keep "
                       f"the skeleton's torch.save(...) at the end, and the default of --out.")
-        return None
     return found
 
 
 def _config(df, columns: list[str]) -> dict:
-    """The settings the skeleton logged at step 0 (rank 0's line)."""
+    """The settings the skeleton logged at step 0 (rank 0's line), so that an exercise's
+    defaults live in its script alone."""
     row = df.dropna(subset=columns)
     row = row[row["rank"] == 0].iloc[0]
     return {c: row[c] for c in columns}

@@ -1,13 +1,33 @@
-"""Exercise 05: a fault drill; the resumed run must end where the uninterrupted one does."""
+"""Exercise 05-resume: a fault drill; the resumed run must end where the uninterrupted one does."""
 
 from __future__ import annotations
 
-from labkit._feedback import Feedback, attempt
-from labkit._checks._common import _metrics, _on, _ranks
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
 
-#: Exercise 05's fault drill: 8 steps an epoch, a checkpoint every 6 steps, the last rank
+from labkit._checks._common import _metrics, _on, _ranks
+from labkit._feedback import Feedback, check, launched
+
+EXERCISE = "05-resume"
+
+HINTS = [
+    "A checkpoint must hold everything the loop changes: the weights (of model.module, so that "
+    "the names carry no 'module.' prefix), the optimizer's state (SGD's momentum), step, epoch "
+    "and batch_in_epoch, and the RNG state of every rank (each rank draws its own random flips).",
+    "The ranks' RNG states differ, so collect them first: rngs = [None] * world_size on rank 0 "
+    "(None on the others), then dist.gather_object(checkpoint.rng_state(), rngs, dst=0). Rank 0 "
+    "alone writes, with checkpoint.save_atomic(state, checkpoint.step_path(args.ckpt_dir, step)); "
+    "then dist.barrier() on every rank.",
+    "To resume: path = checkpoint.latest(args.ckpt_dir); if it is not None, state = torch.load(path, "
+    "map_location=device, weights_only=True); model.module.load_state_dict(state['model']); "
+    "optimizer.load_state_dict(state['optimizer']); checkpoint.set_rng_state(state['rng'][rank]); "
+    "step, epoch, batch_in_epoch = state['step'], state['epoch'], state['batch_in_epoch'].",
+]
+
+#: The check's fault drill: 8 steps an epoch, a checkpoint every 6 steps, the last rank
 #: crashing at step 14, so that the job resumes mid-epoch from step 12 and redoes 13 and 14.
-DRILL_05 = {"epochs": 3, "batch_size": 16, "steps_per_epoch": 8, "ckpt_every": 6, "crash_at": 14}
+DRILL = {"epochs": 3, "batch_size": 16, "steps_per_epoch": 8, "ckpt_every": 6, "crash_at": 14}
 
 
 def _walk(obj, path=""):
@@ -76,7 +96,7 @@ def _load_latest(folder):
         return path, None, str(err).strip().splitlines()[0][:200]
 
 
-def _losses(df):
+def _losses_by_step(df):
     """Each rank's loss per step; a step done twice (before and after a restart): the later one."""
     return df.dropna(subset=["loss"]).groupby(["rank", "step"])["loss"].last()
 
@@ -142,6 +162,33 @@ def _resume_pieces(feedback: Feedback, saved: dict, after: dict, step: int) -> l
     return fixes
 
 
+@dataclass
+class _Drill:
+    """The check's two launches of the script: the same options, each its own checkpoint folder."""
+
+    target: object
+    timeout: float
+    ranks: dict  # _ranks(2): nproc and device
+    ckpt_dir: Path
+
+    @property
+    def crashing_rank(self) -> int:
+        return self.ranks["nproc"] - 1
+
+    def folder(self, name: str) -> Path:
+        return self.ckpt_dir / name
+
+    def launch(self, feedback, folder: str, *extra: str, **options):
+        """``launched`` with the drill's sizes and the checkpoint folder ``folder`` (emptied first:
+        the script resumes from whatever it finds)."""
+        shutil.rmtree(self.folder(folder), ignore_errors=True)
+        args = ["--epochs", str(DRILL["epochs"]), "--batch-size", str(DRILL["batch_size"]),
+                "--train-size", str(DRILL["steps_per_epoch"] * DRILL["batch_size"] * self.ranks["nproc"]),
+                "--ckpt-every", str(DRILL["ckpt_every"]), "--ckpt-dir", str(self.folder(folder)), *extra]
+        return launched(feedback, self.target, timeout=self.timeout, args=args, **self.ranks, **options)
+
+
+@check
 def check_resume(target="scripts/ex05_resume.py", *, timeout: float = 300,
                  ckpt_dir="checkpoints/check-05") -> Feedback:
     """Exercise 05-resume: a checkpoint with the whole training state, and a resume after a
@@ -165,115 +212,117 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout: float = 300,
 
         labkit.check_resume("scripts/ex05_resume.py")
     """
-    import shutil
-    from pathlib import Path
-
     from labkit._run import Run
 
     if isinstance(target, Run):
-        feedback = Feedback("05-resume")
-        feedback.fail("check_resume launches your script itself, twice (once whole, once with a crash): "
-                      "pass the script's path, e.g. 'scripts/ex05_resume.py'.")
-        return feedback
-    ranks, drill = _ranks(2), DRILL_05
-    last = ranks["nproc"] - 1
-    args = ["--epochs", str(drill["epochs"]), "--batch-size", str(drill["batch_size"]),
-            "--train-size", str(drill["steps_per_epoch"] * drill["batch_size"] * ranks["nproc"]),
-            "--ckpt-every", str(drill["ckpt_every"])]
-    folders = {name: Path(ckpt_dir) / name for name in ("whole", "drill")}
-    for folder in folders.values():
-        shutil.rmtree(folder, ignore_errors=True)  # the script resumes from whatever it finds
+        Feedback(EXERCISE).stop("check_resume launches your script itself, twice (once whole, once with a "
+                                "crash): pass the script's path, e.g. 'scripts/ex05_resume.py'.")
+    drill = _Drill(target, timeout, _ranks(2), Path(ckpt_dir))
+    feedback, whole, reference = _uninterrupted(drill)
+    run, df = _fault_drill(feedback, drill)
+    fixes = _resumed(feedback, df, drill.crashing_rank)
+    exact = run.info.get("device") == "cpu"
+    _losses(feedback, whole, df, fixes, exact)
+    _final_checkpoints(feedback, reference, drill.folder("drill"), exact)
+    return feedback
 
-    # 1. The uninterrupted run, and the checkpoint it leaves.
-    feedback, whole = attempt("05-resume", target, timeout=timeout, name="check-05-uninterrupted",
-                              args=args + ["--ckpt-dir", str(folders["whole"])], **ranks)
-    if whole is None or _metrics(feedback, whole, ["loss", "weights_fp"]) is None:
-        return feedback
-    path, reference, error = _load_latest(folders["whole"])
+
+def _uninterrupted(drill: _Drill):
+    """The run from start to finish, and the checkpoint it leaves: (feedback, run, checkpoint)."""
+    feedback, whole = drill.launch(EXERCISE, "whole", name="check-05-uninterrupted")
+    _metrics(feedback, whole, ["loss", "weights_fp"])
+    path, reference, error = _load_latest(drill.folder("whole"))
     if path is None:
-        feedback.fail(f"the run left no checkpoint in {folders['whole']}: in save_checkpoint, rank 0 writes "
+        feedback.stop(f"the run left no checkpoint in {drill.folder('whole')}: in save_checkpoint, rank 0 writes "
                       f"one with checkpoint.save_atomic(state, checkpoint.step_path(args.ckpt_dir, step)).", hint=2)
-        return feedback
     if error is not None:
-        feedback.fail(f"{path.name} does not load with weights_only=True ({error}): save only tensors, "
+        feedback.stop(f"{path.name} does not load with weights_only=True ({error}): save only tensors, "
                       f"numbers, strings and plain lists and dicts; checkpoint.rng_state() gives the RNG "
                       f"states in that form.", hint=1)
-        return feedback
     wrapped = _wrapper_keys(reference)
     feedback.expect(not wrapped, f"the checkpoint ({path.name}) loads with weights_only=True, and its weights' "
                                  f"names have no 'module.' prefix, so they load into a plain model",
                     f"{path.name} names the weights {wrapped[0] if wrapped else ''!r} and so on: that is the "
                     f"DDP wrapper's state_dict. Save the unwrapped model, model.module.state_dict(), so "
                     f"that the weights load into a plain model.", hint=1)
+    return feedback, whole, reference
 
-    # 2. The fault drill: the last rank crashes; torchrun restarts the job once.
-    crash_at = drill["crash_at"]
-    resume_at = (crash_at - 1) // drill["ckpt_every"] * drill["ckpt_every"]
-    second, run = attempt("05-resume", target, timeout=timeout, name="check-05-fault-drill",
-                          max_restarts=1, **ranks,
-                          args=args + ["--ckpt-dir", str(folders["drill"]), "--crash-at-step",
-                                       str(crash_at), "--crash-rank", str(last)])
-    feedback.items += second.items
-    feedback.run, feedback.failure = second.run, second.failure
-    if run is None:
-        return feedback
+
+def _fault_drill(feedback: Feedback, drill: _Drill):
+    """The last rank crashes; torchrun restarts the job once: (run, its metrics)."""
+    _, run = drill.launch(feedback, "drill", "--crash-at-step", str(DRILL["crash_at"]),
+                          "--crash-rank", str(drill.crashing_rank), name="check-05-fault-drill", max_restarts=1)
     df = _metrics(feedback, run, ["loss", "weights_fp"])
-    if df is None:
-        return feedback
     if 1 not in set(df["restart"]):
-        feedback.fail(f"the job never restarted: keep the skeleton's fault drill (rank {last} raises at "
-                      f"--crash-at-step in the first attempt).")
-        return feedback
+        feedback.stop(f"the job never restarted: keep the skeleton's fault drill (rank {drill.crashing_rank} "
+                      f"raises at --crash-at-step in the first attempt).")
+    return run, df
+
+
+def _resumed(feedback: Feedback, df, crashing_rank: int) -> list[str]:
+    """Where the restarted job resumed, and each piece of state it got back; returns the fixes."""
+    crash_at = DRILL["crash_at"]
+    resume_at = (crash_at - 1) // DRILL["ckpt_every"] * DRILL["ckpt_every"]
     first, again = df[df["restart"] == 0], df[df["restart"] == 1]
     resumed = again.dropna(subset=["resumed_from"]) if "resumed_from" in again else again.iloc[:0]
-    fixes = []
     if resumed.empty:
         feedback.fail(f"after the crash at step {crash_at} the restarted job began again at step 0: find the "
                       f"newest checkpoint with checkpoint.latest(args.ckpt_dir), load it, and set step, epoch "
                       f"and batch_in_epoch from it.", hint=3)
-        fixes.append("resume from checkpoint.latest(args.ckpt_dir)")
-    else:
-        steps = sorted({int(s) for s in resumed["resumed_from"]})
-        feedback.expect(steps == [resume_at],
-                        f"rank {last} crashed at step {crash_at}; torchrun restarted the job, and every rank "
-                        f"resumed at step {resume_at}, the newest checkpoint",
-                        f"after the crash at step {crash_at} the job resumed at step "
-                        f"{', '.join(map(str, steps))}, but the newest checkpoint before the crash was step "
-                        f"{resume_at}: load checkpoint.latest(args.ckpt_dir), and save the step the run has "
-                        f"reached.", hint=3)
-        saves = first.dropna(subset=["saved"]) if "saved" in first else first.iloc[:0]
-        saved = {int(r["rank"]): r for _, r in saves[saves["step"] == steps[0]].iterrows()}
-        after = {int(r["rank"]): r for _, r in resumed.groupby("rank").head(1).iterrows()}
-        if saved:
-            fixes += _resume_pieces(feedback, saved, after, steps[0])
+        return ["resume from checkpoint.latest(args.ckpt_dir)"]
+    steps = sorted({int(s) for s in resumed["resumed_from"]})
+    feedback.expect(steps == [resume_at],
+                    f"rank {crashing_rank} crashed at step {crash_at}; torchrun restarted the job, and every rank "
+                    f"resumed at step {resume_at}, the newest checkpoint",
+                    f"after the crash at step {crash_at} the job resumed at step "
+                    f"{', '.join(map(str, steps))}, but the newest checkpoint before the crash was step "
+                    f"{resume_at}: load checkpoint.latest(args.ckpt_dir), and save the step the run has "
+                    f"reached.", hint=3)
+    saves = first.dropna(subset=["saved"]) if "saved" in first else first.iloc[:0]
+    saved = {int(r["rank"]): r for _, r in saves[saves["step"] == steps[0]].iterrows()}
+    after = {int(r["rank"]): r for _, r in resumed.groupby("rank").head(1).iterrows()}
+    return _resume_pieces(feedback, saved, after, steps[0]) if saved else []
 
-    # 3. Every loss the drill logged, before the crash and after it (the steps done twice both
-    #    times), against the uninterrupted run's; then the final checkpoints.
-    exact = run.info.get("device") == "cpu"
-    tolerance = 0.0 if exact else 1e-5
-    how = "bit for bit" if exact else f"within {tolerance:g} (GPU kernels may round differently)"
-    expected = _losses(whole.metrics())
+
+def _tolerance(exact: bool) -> float:
+    """How far the drill may be from the uninterrupted run: nothing on CPU, a GPU kernel's rounding."""
+    return 0.0 if exact else 1e-5
+
+
+def _how(exact: bool) -> str:
+    """The tolerance, in words."""
+    return "bit for bit" if exact else f"within {_tolerance(exact):g} (GPU kernels may round differently)"
+
+
+def _losses(feedback: Feedback, whole, df, fixes: list[str], exact: bool) -> None:
+    """Every loss the drill logged, before the crash and after it (the steps done twice both
+    times), against the uninterrupted run's; a difference ends the check, naming the first fix."""
+    expected = _losses_by_step(whole.metrics())
     logged = df.dropna(subset=["loss"])
     keys = list(zip(logged["rank"], logged["step"]))
     gap = abs(logged["loss"].to_numpy() - expected.reindex(keys).to_numpy())
-    leave = {int(step) for (_, step), g in zip(keys, gap) if not g <= tolerance}  # NaN: an extra step
+    leave = {int(step) for (_, step), g in zip(keys, gap) if not g <= _tolerance(exact)}  # NaN: an extra step
     leave |= {int(step) for (rank, step) in expected.index if (rank, step) not in set(keys)}  # a missing one
+    first, again = df[df["restart"] == 0], df[df["restart"] == 1]
     twice = set(first.dropna(subset=["loss"])["step"]) & set(again.dropna(subset=["loss"])["step"])
     steps = expected.index.get_level_values("step").nunique()
-    if not feedback.expect(not leave, f"the drill's losses equal the uninterrupted run's, {how}: all {steps} "
-                                      f"steps on every rank, and the {len(twice)} steps done twice, both times",
-                           f"after the restart the losses leave the uninterrupted run's from step "
-                           f"{min(leave) if leave else 0} on: "
-                           + (fixes[0] if fixes else "some piece of state did not come back; compare what "
-                              "you save with everything the loop changes") + ".", hint=3):
-        return feedback
-    _, final, _ = _load_latest(folders["drill"])
-    if final is not None:
-        # Tensors of numbers only: Python's and NumPy's RNGs start from a random seed in each run.
-        a, b = _float_tensors(reference), _float_tensors(final)
-        differ = _differences(a, b, exact=exact)
-        feedback.expect(a and not differ, f"both runs end with the same final checkpoint: all {len(a)} "
-                                          f"tensors of weights and optimizer state are equal, {how}",
-                        f"the final checkpoints differ at {', '.join(differ[:4]) or 'every tensor'}: both runs "
-                        f"should end in the same state.", hint=1)
-    return feedback
+    feedback.require(not leave, f"the drill's losses equal the uninterrupted run's, {_how(exact)}: all {steps} "
+                                f"steps on every rank, and the {len(twice)} steps done twice, both times",
+                     f"after the restart the losses leave the uninterrupted run's from step "
+                     f"{min(leave) if leave else 0} on: "
+                     + (fixes[0] if fixes else "some piece of state did not come back; compare what "
+                        "you save with everything the loop changes") + ".", hint=3)
+
+
+def _final_checkpoints(feedback: Feedback, reference, folder: Path, exact: bool) -> None:
+    """Both runs end with the same checkpoint: every tensor of numbers (Python's and NumPy's RNGs
+    start from a random seed in each run, so their states are left out)."""
+    _, final, _ = _load_latest(folder)
+    if final is None:
+        return
+    a, b = _float_tensors(reference), _float_tensors(final)
+    differ = _differences(a, b, exact=exact)
+    feedback.expect(a and not differ, f"both runs end with the same final checkpoint: all {len(a)} "
+                                      f"tensors of weights and optimizer state are equal, {_how(exact)}",
+                    f"the final checkpoints differ at {', '.join(differ[:4]) or 'every tensor'}: both runs "
+                    f"should end in the same state.", hint=1)

@@ -1,9 +1,31 @@
-"""Exercise 04: gradient accumulation under DDP, against one big batch in one process."""
+"""Exercise 04-accumulation: gradient accumulation under DDP, against one big batch in one process."""
 
 from __future__ import annotations
 
-from labkit._feedback import Feedback, attempt
+from dataclasses import dataclass
+
 from labkit._checks._common import _config, _gap, _metrics, _near, _ranks, _saved
+from labkit._feedback import Feedback, check, launched
+
+EXERCISE = "04-accumulation"
+
+HINTS = [
+    ".grad adds up across backward() calls until something clears it. So: k forward and "
+    "backward passes, then one optimizer.step(), then optimizer.zero_grad(set_to_none=True). "
+    "Divide each micro-step's loss by k, so that the sum of the k gradients is the big batch's mean.",
+    "model.no_sync() is a context manager: inside it, backward() does not all-reduce. Use it for "
+    "every micro-step but the last, around forward and backward both; the last backward "
+    "all-reduces the sum of all k.",
+    "for i, (x, y) in enumerate(micro_batches): with nullcontext() if i == k - 1 else "
+    "model.no_sync(): (F.cross_entropy(model(x), y) / k).backward(). After the loop: "
+    "optimizer.step(); optimizer.zero_grad(set_to_none=True).",
+]
+
+#: The settings the skeleton logs at step 0.
+SETTINGS = ["accum_steps", "batch_size", "dim", "steps", "lr", "seed"]
+#: Lesson 04's tolerance on the gradients and weights: float32 sums added in another order
+#: (GPU kernels round otherwise).
+TOLERANCE = {"cpu": 1e-5, "gpu": 1e-4}
 
 
 def _accumulation_reference(seed: int, world_size: int, k: int, batch_size: int, dim: int, steps: int,
@@ -71,6 +93,32 @@ def _explain_gradient(used: dict, reference: dict, k: int) -> str:
             f"largest gradient: add up the k micro-steps' gradients of (loss / k), all-reduced once, after the last.")
 
 
+@dataclass
+class _Steps:
+    """What the ranks logged and saved for each optimizer step, and one process's big-batch reference."""
+
+    setting: dict  # SETTINGS, as the skeleton logged them
+    per_step: object  # the DataFrame rows of the optimizer steps: step_calls, allreduced_bytes, param_bytes
+    saved: dict  # {rank: {"used": [gradient of each step], "weights": final weights}}
+    reference: dict  # _accumulation_reference's
+    world: int
+    tolerance: float
+
+    @property
+    def k(self) -> int:
+        return int(self.setting["accum_steps"])
+
+    @property
+    def steps(self) -> int:
+        return int(self.setting["steps"])
+
+    @property
+    def effective(self) -> int:
+        """Samples per optimizer step: every rank's k micro-batches."""
+        return self.world * self.k * int(self.setting["batch_size"])
+
+
+@check
 def check_accumulation(target="scripts/ex04_accumulation.py", *, timeout: float = 180) -> Feedback:
     """Exercise 04-accumulation: k micro-steps under DDP make one optimizer step whose gradient is
     that of one batch k × world size times larger, with one all-reduce of the gradients per step.
@@ -93,29 +141,36 @@ def check_accumulation(target="scripts/ex04_accumulation.py", *, timeout: float 
 
         labkit.check_accumulation("scripts/ex04_accumulation.py")
     """
-    feedback, run = attempt("04-accumulation", target, timeout=timeout, name="check-04-accumulation",
-                            **_ranks(2))
-    if run is None:
-        return feedback
-    columns = ["accum_steps", "batch_size", "dim", "steps", "lr", "seed"]
-    df = _metrics(feedback, run, [*columns, "step_calls", "allreduced_bytes", "param_bytes"])
-    saved = None if df is None else _saved(feedback, run, "ex04")
-    if saved is None:
-        return feedback
-    setting = _config(df, columns)
-    k, steps, world = int(setting["accum_steps"]), int(setting["steps"]), run.nproc
+    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-04-accumulation", **_ranks(2))
+    steps = _read(feedback, run)
+    calls = _step_calls(feedback, steps)
+    _allreduces(feedback, steps)
+    if calls == [1]:  # the gradient each optimizer.step() used is comparable when it steps once
+        _gradients(feedback, steps)
+    _weights(feedback, steps)
+    return feedback
+
+
+def _read(feedback: Feedback, run) -> _Steps:
+    """The logged steps and saved tensors, and the reference; stops if the skeleton's loop was changed."""
+    df = _metrics(feedback, run, [*SETTINGS, "step_calls", "allreduced_bytes", "param_bytes"])
+    saved = _saved(feedback, run, "ex04")
+    setting = _config(df, SETTINGS)
+    steps, world = int(setting["steps"]), run.nproc
     per_step = df.dropna(subset=["step_calls"])
     if sorted(per_step["step"].unique()) != list(range(1, steps + 1)) or len(per_step) != steps * world:
-        feedback.fail(f"the skeleton logs one line per optimizer step, {steps} on each rank; it logged "
+        feedback.stop(f"the skeleton logs one line per optimizer step, {steps} on each rank; it logged "
                       f"{len(per_step)} in all: keep its loop and metrics.log(...) as they are.")
-        return feedback
-    reference = _accumulation_reference(int(setting["seed"]), world, k, int(setting["batch_size"]),
-                                        int(setting["dim"]), steps, float(setting["lr"]))
-    effective = world * k * int(setting["batch_size"])
-    tolerance = 1e-5 if run.info.get("device") == "cpu" else 1e-4  # lesson 04's (GPU kernels round otherwise)
+    reference = _accumulation_reference(int(setting["seed"]), world, int(setting["accum_steps"]),
+                                        int(setting["batch_size"]), int(setting["dim"]), steps, float(setting["lr"]))
+    tolerance = TOLERANCE["cpu" if run.info.get("device") == "cpu" else "gpu"]
+    return _Steps(setting, per_step, saved, reference, world, tolerance)
 
-    # 1. One optimizer.step() per optimizer step.
-    calls = sorted(set(per_step["step_calls"].astype(int)))
+
+def _step_calls(feedback: Feedback, steps: _Steps) -> list[int]:
+    """One optimizer.step() per optimizer step; returns the counts seen (sorted, distinct)."""
+    k = steps.k
+    calls = sorted(set(steps.per_step["step_calls"].astype(int)))
     if calls == [1]:
         feedback.ok(f"optimizer.step() ran once per optimizer step, after all {k} micro-steps")
     elif calls == [0]:
@@ -127,8 +182,12 @@ def check_accumulation(target="scripts/ex04_accumulation.py", *, timeout: float 
     else:
         feedback.fail(f"optimizer.step() ran {', '.join(map(str, calls))} times in an optimizer step; once, after "
                       f"the last of the {k} micro-steps, is right.", hint=1)
+    return calls
 
-    # 2. One all-reduce of every gradient per optimizer step, counted by the DDP hook.
+
+def _allreduces(feedback: Feedback, steps: _Steps) -> None:
+    """One all-reduce of every gradient per optimizer step, counted by the DDP communication hook."""
+    k, per_step = steps.k, steps.per_step
     param_bytes = int(per_step["param_bytes"].iloc[0])
     reduced = sorted(set(per_step["allreduced_bytes"].astype(int)))
     if reduced == [param_bytes]:
@@ -148,39 +207,42 @@ def check_accumulation(target="scripts/ex04_accumulation.py", *, timeout: float 
         feedback.fail(f"DDP all-reduced {shown} the gradients' {param_bytes:,} bytes in an optimizer step; once is "
                       f"right: model.no_sync() on every micro-step but the last.", hint=2)
 
-    # 3. The gradient each optimizer.step() used, against one big batch's (comparable when it steps once).
-    if calls == [1]:
-        used = [{r: saved[r]["used"][s] for r in range(world)} for s in range(steps)]
-        gaps = [max(_gap(g, reference["grads"][s]) if g.shape == reference["grads"][s].shape else float("inf")
-                    for g in used[s].values()) for s in range(steps)]
-        wrong = [s for s, g in enumerate(gaps) if not g <= tolerance]
-        if not wrong:
-            feedback.ok(f"the gradient of every optimizer step, on every rank, is that of one batch of {world} × "
-                        f"{k} × {setting['batch_size']:.0f} = {effective} samples in one process (largest gap "
-                        f"{max(gaps):.1e} of the largest gradient; tolerance {tolerance:g})")
-        elif wrong[0] == 0:
-            feedback.fail(_explain_gradient(used[0], reference, k), hint=1)
-        else:
-            s = wrong[0]
-            leftover = all(_near(used[s][r] - used[s - 1][r], reference["grads"][s]) for r in range(world))
-            first = "the first optimizer step is" if s == 1 else f"the first {s} optimizer steps are"
-            feedback.fail(f"{first} right, but from step {s + 1} on the gradient "
-                          + ("still holds the previous step's: clear the gradients after every optimizer.step() "
-                             "(optimizer.zero_grad(set_to_none=True))." if leftover else
-                             f"differs from one big batch's (by {gaps[s]:.1e}): start every optimizer step from "
-                             f"cleared gradients."), hint=1)
 
-    # 4. The weights: the same on every rank, and one process's on the big batches.
-    weights = {r: saved[r]["weights"] for r in range(world)}
+def _gradients(feedback: Feedback, steps: _Steps) -> None:
+    """The gradient each optimizer.step() used, on every rank, against one big batch's."""
+    world, reference, tolerance = steps.world, steps.reference, steps.tolerance
+    used = [{r: steps.saved[r]["used"][s] for r in range(world)} for s in range(steps.steps)]
+    gaps = [max(_gap(g, reference["grads"][s]) if g.shape == reference["grads"][s].shape else float("inf")
+                for g in used[s].values()) for s in range(steps.steps)]
+    wrong = [s for s, g in enumerate(gaps) if not g <= tolerance]
+    if not wrong:
+        feedback.ok(f"the gradient of every optimizer step, on every rank, is that of one batch of {world} × "
+                    f"{steps.k} × {steps.setting['batch_size']:.0f} = {steps.effective} samples in one process "
+                    f"(largest gap {max(gaps):.1e} of the largest gradient; tolerance {tolerance:g})")
+    elif wrong[0] == 0:
+        feedback.fail(_explain_gradient(used[0], reference, steps.k), hint=1)
+    else:
+        s = wrong[0]
+        leftover = all(_near(used[s][r] - used[s - 1][r], reference["grads"][s]) for r in range(world))
+        first = "the first optimizer step is" if s == 1 else f"the first {s} optimizer steps are"
+        feedback.fail(f"{first} right, but from step {s + 1} on the gradient "
+                      + ("still holds the previous step's: clear the gradients after every optimizer.step() "
+                         "(optimizer.zero_grad(set_to_none=True))." if leftover else
+                         f"differs from one big batch's (by {gaps[s]:.1e}): start every optimizer step from "
+                         f"cleared gradients."), hint=1)
+
+
+def _weights(feedback: Feedback, steps: _Steps) -> None:
+    """The final weights: the same on every rank, and one process's on the big batches."""
+    weights = {r: steps.saved[r]["weights"] for r in range(steps.world)}
     spread = max(_gap(w, weights[0]) for w in weights.values())
-    gap = max(_gap(w, reference["weights"]) for w in weights.values())
-    if spread > tolerance:
+    gap = max(_gap(w, steps.reference["weights"]) for w in weights.values())
+    if spread > steps.tolerance:
         feedback.fail(f"the ranks ended with different weights (up to {spread:.1e} apart): every optimizer step must "
                       f"average the gradients over the ranks, so that every rank takes the same step.", hint=2)
     else:
-        feedback.expect(gap <= tolerance,
-                        f"after {steps} optimizer steps every rank holds the weights one process reaches with plain "
-                        f"SGD on one batch of {effective} per step (largest gap {gap:.1e})",
-                        f"after {steps} optimizer steps the weights differ from those one process reaches with one "
-                        f"batch of {effective} per step (by up to {gap:.1e} of the largest weight).", hint=1)
-    return feedback
+        feedback.expect(gap <= steps.tolerance,
+                        f"after {steps.steps} optimizer steps every rank holds the weights one process reaches with "
+                        f"plain SGD on one batch of {steps.effective} per step (largest gap {gap:.1e})",
+                        f"after {steps.steps} optimizer steps the weights differ from those one process reaches with "
+                        f"one batch of {steps.effective} per step (by up to {gap:.1e} of the largest weight).", hint=1)

@@ -1,18 +1,39 @@
-"""Exercise 03: SyncBatchNorm from one differentiable all-reduce, against ``nn.BatchNorm2d``
+"""Exercise 03-syncbn: SyncBatchNorm from one differentiable all-reduce, against ``nn.BatchNorm2d``
 on the global batch."""
 
 from __future__ import annotations
 
-from labkit._feedback import Feedback, attempt
+from dataclasses import dataclass
+
 from labkit._checks._common import _config, _gap, _metrics, _near, _on, _ranks, _saved
+from labkit._feedback import Feedback, check, launched
+
+EXERCISE = "03-syncbn"
+
+HINTS = [
+    "AllReduceSum.forward: total = x.clone(), then dist.all_reduce(total) (it works in place, and "
+    "autograd must still see x as it was). AllReduceSum.backward does the same to grad_output: "
+    "every rank's loss reads this rank's x through the shared statistics.",
+    "Per channel means over dimensions 0, 2 and 3. One tensor carries everything: local = "
+    "torch.cat([x.sum(dims), (x * x).sum(dims), count]), with count = torch.full((1,), "
+    "x.numel() // channels, dtype=x.dtype, device=x.device) (on x's device, so that torch.cat "
+    "accepts it on a GPU too). total = AllReduceSum.apply(local); n = total[-1]; mean = "
+    "total[:channels] / n; var = total[channels:2 * channels] / n - mean * mean.",
+    "Under torch.no_grad(): self.running_mean.lerp_(mean, self.momentum) and "
+    "self.running_var.lerp_(var * n / (n - 1), self.momentum). Then, with shape = (1, channels, "
+    "1, 1): (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps) * "
+    "self.weight.view(shape) + self.bias.view(shape).",
+]
 
 #: Exercise 03's tolerance on every comparison (lesson 03's): float32 sums added in another order.
-TOL_03 = 1e-4
-MOMENTUM_03, EPS_03 = 0.1, 1e-5
-_KEYS_03 = ("output", "input_grad", "weight_grad", "bias_grad", "running_mean", "running_var")
+TOLERANCE = 1e-4
+#: The settings the skeleton logs at step 0 (each rank its own ``samples``).
+SETTINGS = ["samples", "channels", "size", "steps", "seed", "momentum", "eps"]
+_KEYS = ("output", "input_grad", "weight_grad", "bias_grad", "running_mean", "running_var")
 
 
-def _syncbn_reference(seed: int, sizes: list[int], channels: int, size: int, steps: int):
+def _syncbn_reference(seed: int, sizes: list[int], channels: int, size: int, steps: int, *,
+                      momentum: float, eps: float):
     """What ``nn.BatchNorm2d`` computes on the global batch (every rank's samples together), in float64.
 
     The data are drawn exactly as exercise 03's skeleton draws them: rank r from seed + 1 + r,
@@ -26,7 +47,7 @@ def _syncbn_reference(seed: int, sizes: list[int], channels: int, size: int, ste
     init = torch.Generator().manual_seed(seed)
     weight = 0.5 + torch.rand(channels, generator=init)
     bias = torch.rand(channels, generator=init) - 0.5
-    bn = nn.BatchNorm2d(channels, eps=EPS_03, momentum=MOMENTUM_03).double()
+    bn = nn.BatchNorm2d(channels, eps=eps, momentum=momentum).double()
     with torch.no_grad():
         bn.weight.copy_(weight)
         bn.bias.copy_(bias)
@@ -49,7 +70,7 @@ def _syncbn_reference(seed: int, sizes: list[int], channels: int, size: int, ste
     return weight.double(), bias.double(), found
 
 
-def _stats_used(x, y, weight, bias, eps: float = EPS_03):
+def _stats_used(x, y, weight, bias, eps: float):
     """The per-channel (mean, variance, fit residual) a layer normalised ``x`` with, read from its output.
 
     Fits y = a·x + c per channel; BatchNorm's y = weight·(x − mean)/√(var + eps) + bias gives
@@ -63,7 +84,7 @@ def _stats_used(x, y, weight, bias, eps: float = EPS_03):
     return (bias - offset) / slope, (weight / slope) ** 2 - eps, residual
 
 
-def _explain_output(xs: list, ys: list, weight, bias) -> str:
+def _explain_output(xs: list, ys: list, weight, bias, eps: float) -> str:
     """Why a first step's outputs differ from BatchNorm's on the global batch: the statistics used, named."""
     import torch
 
@@ -77,7 +98,7 @@ def _explain_output(xs: list, ys: list, weight, bias) -> str:
     plain_var = torch.stack([v for _, v in local]).mean(0)
     within = sum(c * v for c, (_, v) in zip(counts, local)) / n
     sizes = " and ".join(str(len(x)) for x in xs) if world == 2 else "different numbers of"
-    used = [_stats_used(x, y, weight, bias) for x, y in zip(xs, ys)]
+    used = [_stats_used(x, y, weight, bias, eps) for x, y in zip(xs, ys)]
     scale = max(1.0, float(whole.abs().max()))
     if max(residual for _, _, residual in used) > 1e-3 * scale:
         return ("the outputs are not the inputs normalised per channel: compute one mean and one variance per "
@@ -101,14 +122,14 @@ def _explain_output(xs: list, ys: list, weight, bias) -> str:
                     f"one, Σx² / n − mean², and keeps the unbiased one (× n/(n − 1), n = {n}, the global count) "
                     f"only for running_var.")
         return "the mean is right, but the variance is not: Σx² / n − mean², with the global sums and count."
-    plain = [_stats_used(x, y, torch.ones_like(weight), torch.zeros_like(bias)) for x, y in zip(xs, ys)]
+    plain = [_stats_used(x, y, torch.ones_like(weight), torch.zeros_like(bias), eps) for x, y in zip(xs, ys)]
     if all(_near(m, mean) and _near(v, var) for m, v, _ in plain):
         return "the statistics are right, but the output lacks weight and bias: return x̂ · weight + bias."
     return ("the outputs differ from BatchNorm's on the global batch, and so does the mean they were "
             "normalised with: the global mean is the global Σx over the global n.")
 
 
-def _explain_running(got_mean, got_var, xs, momentum: float = MOMENTUM_03) -> str:
+def _explain_running(got_mean, got_var, xs, momentum: float) -> str:
     """Why the running statistics after the first step (from 0 and 1) are not BatchNorm's."""
     import torch
 
@@ -135,6 +156,30 @@ def _explain_running(got_mean, got_var, xs, momentum: float = MOMENTUM_03) -> st
             "variance.")
 
 
+@dataclass
+class _Steps:
+    """What each rank's layer computed at each step, and what nn.BatchNorm2d computes on the global batch."""
+
+    saved: dict  # {rank: [one dict per step, keys _KEYS]}, as the script saved them
+    want: list  # one dict per step, from _syncbn_reference
+    weight: object  # the layer's weight and bias, as the skeleton sets them
+    bias: object
+    sizes: list  # each rank's samples
+    setting: dict  # SETTINGS, as the skeleton logged them (rank 0's)
+    world: int
+
+    def worst(self, key: str, per_rank: bool = True) -> tuple[float, int]:
+        """(largest gap, step) over the steps (and ranks) for one saved quantity; inf where it is missing."""
+        gaps = []
+        for s, wanted in enumerate(self.want):
+            for r in range(self.world):
+                got = self.saved[r][s][key]
+                target = wanted[key][r] if per_rank else wanted[key]
+                gaps.append((float("inf") if got is None or got.shape != target.shape else _gap(got, target), s + 1))
+        return max(gaps)
+
+
+@check
 def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout: float = 180) -> Feedback:
     """Exercise 03-syncbn: a synchronised BatchNorm built from one differentiable all-reduce computes
     what ``nn.BatchNorm2d`` computes on the whole global batch, in forward and backward.
@@ -157,82 +202,93 @@ def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout: float = 180) -> Fe
 
         labkit.check_syncbn("scripts/ex03_syncbn.py")
     """
-    feedback, run = attempt("03-syncbn", target, timeout=timeout, name="check-03-syncbn", **_ranks(2))
-    if run is None:
-        return feedback
-    columns = ["samples", "channels", "size", "steps", "seed"]
-    df = _metrics(feedback, run, columns)
-    saved = None if df is None else _saved(feedback, run, "ex03")
-    if saved is None:
-        return feedback
+    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-03-syncbn", **_ranks(2))
+    steps = _read(feedback, run)
+    outputs_right = _outputs(feedback, steps)
+    if outputs_right:
+        _gradients(feedback, steps)
+    _running_statistics(feedback, steps, outputs_right)
+    return feedback
+
+
+def _read(feedback: Feedback, run) -> _Steps:
+    """What the ranks saved, next to BatchNorm's on the same data; stops if the script saved something else."""
+    df = _metrics(feedback, run, SETTINGS)
+    saved = _saved(feedback, run, "ex03")
     sizes = df.dropna(subset=["channels"]).groupby("rank")["samples"].first().astype(int).tolist()
-    setting = {c: int(v) for c, v in _config(df, columns).items()}
-    steps = setting["steps"]
-    weight, bias, want = _syncbn_reference(setting["seed"], sizes, setting["channels"], setting["size"], steps)
-    world, total = run.nproc, sum(sizes)
+    setting = _config(df, SETTINGS)
+    steps = int(setting["steps"])
+    weight, bias, want = _syncbn_reference(int(setting["seed"]), sizes, int(setting["channels"]),
+                                           int(setting["size"]), steps, momentum=float(setting["momentum"]),
+                                           eps=float(setting["eps"]))
+    world = run.nproc
     broken = [r for r in range(world) if len(saved[r]) != steps or any(
-        set(s) != set(_KEYS_03) or s["output"] is None or s["output"].shape != w["output"][r].shape
+        set(s) != set(_KEYS) or s["output"] is None or s["output"].shape != w["output"][r].shape
         for s, w in zip(saved[r], want))]
     if broken:
-        feedback.fail(f"{_on(broken, world)} saved something else than the skeleton saves (an output of the "
+        feedback.stop(f"{_on(broken, world)} saved something else than the skeleton saves (an output of the "
                       f"input's shape at each of the {steps} steps): keep the skeleton's loop as it is.")
-        return feedback
+    return _Steps(saved, want, weight, bias, sizes, setting, world)
 
-    def worst(key, per_rank=True):
-        """(largest gap, step) over the steps (and ranks) for one saved quantity; inf where it is missing."""
-        gaps = []
-        for s in range(steps):
-            for r in range(world):
-                got = saved[r][s][key]
-                wanted = want[s][key][r] if per_rank else want[s][key]
-                gaps.append((float("inf") if got is None or got.shape != wanted.shape else _gap(got, wanted), s + 1))
-        return max(gaps)
 
-    shards = " and ".join(map(str, sizes)) if world == 2 else ", ".join(map(str, sizes))
-    gap, step = worst("output")
-    outputs_right = gap <= TOL_03
-    if outputs_right:
+def _outputs(feedback: Feedback, steps: _Steps) -> bool:
+    """Every rank's outputs against BatchNorm's on the global batch; True when they agree."""
+    sizes, total, count = steps.sizes, sum(steps.sizes), len(steps.want)
+    shards = " and ".join(map(str, sizes)) if steps.world == 2 else ", ".join(map(str, sizes))
+    gap, step = steps.worst("output")
+    if gap <= TOLERANCE:
         feedback.ok(f"the ranks hold {shards} samples ({total} together, uneven on purpose), and every rank's "
-                    f"outputs equal nn.BatchNorm2d's on all {total} at once, at each of the {steps} steps "
-                    f"(largest gap {gap:.1e}; tolerance {TOL_03:g})")
-    elif step == 1:
-        feedback.fail(_explain_output(want[0]["x"], [saved[r][0]["output"] for r in range(world)], weight, bias), hint=2)
+                    f"outputs equal nn.BatchNorm2d's on all {total} at once, at each of the {count} steps "
+                    f"(largest gap {gap:.1e}; tolerance {TOLERANCE:g})")
+        return True
+    if step == 1:
+        outputs = [steps.saved[r][0]["output"] for r in range(steps.world)]
+        feedback.fail(_explain_output(steps.want[0]["x"], outputs, steps.weight, steps.bias,
+                                      float(steps.setting["eps"])), hint=2)
     else:
         feedback.fail(f"the outputs are right at the first step but not at step {step} (gap {gap:.1e}): each step "
                       f"must use that step's statistics only.", hint=2)
+    return False
 
-    if outputs_right:
-        gap, step = worst("input_grad")
-        missing = any(saved[r][0]["input_grad"] is None for r in range(world))
-        if gap <= TOL_03:
-            feedback.ok(f"so are the input gradients (largest gap {gap:.1e}): the gradient flows back through the "
-                        f"all-reduce to every rank's inputs")
-        elif missing:
-            feedback.fail("no gradient reached the inputs: do not detach x or compute the output under "
-                          "torch.no_grad(); only the running statistics' update belongs there.", hint=1)
-        else:
-            feedback.fail(f"the outputs are right, but the input gradients are not (off by up to {gap:.1e}): the "
-                          f"gradient does not travel back through the all-reduce. Every rank's loss depends on every "
-                          f"rank's inputs, so AllReduceSum.backward must all-reduce grad_output too; a plain "
-                          f"dist.all_reduce in forward is invisible to autograd.", hint=1)
-        shares = []
-        for s in range(steps):
-            parts = [saved[r][s][k] for r in range(world) for k in ("weight_grad", "bias_grad")]
-            if any(p is None for p in parts):
-                shares.append(float("inf"))
-                continue
-            got = [sum(saved[r][s][k].double() for r in range(world)) for k in ("weight_grad", "bias_grad")]
-            shares.append(max(_gap(got[0], want[s]["weight_grad"]), _gap(got[1], want[s]["bias_grad"])))
-        feedback.expect(max(shares) <= TOL_03,
-                        f"the weight and bias gradients, added over the ranks as DDP would, equal BatchNorm's "
-                        f"(largest gap {max(shares):.1e})",
-                        "the weight and bias gradients, added over the ranks, are not BatchNorm's: the output is "
-                        "x̂ · weight + bias, with weight and bias the layer's own parameters.", hint=3)
 
-    gap_mean, step_mean = worst("running_mean", per_rank=False)
-    gap_var, step_var = worst("running_var", per_rank=False)
-    if max(gap_mean, gap_var) <= TOL_03:
-        feedback.ok(f"running_mean and running_var follow BatchNorm's on every rank: momentum {MOMENTUM_03:g}, "
+def _gradients(feedback: Feedback, steps: _Steps) -> None:
+    """The input gradients, then the weight and bias gradients added over the ranks (as DDP would)."""
+    saved, world = steps.saved, steps.world
+    gap, _ = steps.worst("input_grad")
+    missing = any(saved[r][0]["input_grad"] is None for r in range(world))
+    if gap <= TOLERANCE:
+        feedback.ok(f"so are the input gradients (largest gap {gap:.1e}): the gradient flows back through the "
+                    f"all-reduce to every rank's inputs")
+    elif missing:
+        feedback.fail("no gradient reached the inputs: do not detach x or compute the output under "
+                      "torch.no_grad(); only the running statistics' update belongs there.", hint=1)
+    else:
+        feedback.fail(f"the outputs are right, but the input gradients are not (off by up to {gap:.1e}): the "
+                      f"gradient does not travel back through the all-reduce. Every rank's loss depends on every "
+                      f"rank's inputs, so AllReduceSum.backward must all-reduce grad_output too; a plain "
+                      f"dist.all_reduce in forward is invisible to autograd.", hint=1)
+    shares = []
+    for s, wanted in enumerate(steps.want):
+        parts = [saved[r][s][k] for r in range(world) for k in ("weight_grad", "bias_grad")]
+        if any(p is None for p in parts):
+            shares.append(float("inf"))
+            continue
+        got = [sum(saved[r][s][k].double() for r in range(world)) for k in ("weight_grad", "bias_grad")]
+        shares.append(max(_gap(got[0], wanted["weight_grad"]), _gap(got[1], wanted["bias_grad"])))
+    feedback.expect(max(shares) <= TOLERANCE,
+                    f"the weight and bias gradients, added over the ranks as DDP would, equal BatchNorm's "
+                    f"(largest gap {max(shares):.1e})",
+                    "the weight and bias gradients, added over the ranks, are not BatchNorm's: the output is "
+                    "x̂ · weight + bias, with weight and bias the layer's own parameters.", hint=3)
+
+
+def _running_statistics(feedback: Feedback, steps: _Steps, outputs_right: bool) -> None:
+    """running_mean and running_var after every step; a wrong update is named by what it computed."""
+    saved, world, momentum = steps.saved, steps.world, float(steps.setting["momentum"])
+    gap_mean, step_mean = steps.worst("running_mean", per_rank=False)
+    gap_var, step_var = steps.worst("running_var", per_rank=False)
+    if max(gap_mean, gap_var) <= TOLERANCE:
+        feedback.ok(f"running_mean and running_var follow BatchNorm's on every rank: momentum {momentum:g}, "
                     f"the unbiased global variance (largest gap {max(gap_mean, gap_var):.1e})")
     elif min(step_mean, step_var) == 1 and any(saved[r][0][k] is None for r in range(world)
                                                for k in ("running_mean", "running_var")):
@@ -240,8 +296,9 @@ def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout: float = 180) -> Fe
                       "update them in place.", hint=3)
     else:
         first = {r: (saved[r][0]["running_mean"], saved[r][0]["running_var"]) for r in range(world)}
-        step = min(s for s, g in ((step_mean, gap_mean), (step_var, gap_var)) if g > TOL_03)
-        right_first = all(_gap(m, want[0]["running_mean"]) <= TOL_03 and _gap(v, want[0]["running_var"]) <= TOL_03
+        step = min(s for s, g in ((step_mean, gap_mean), (step_var, gap_var)) if g > TOLERANCE)
+        want = steps.want[0]
+        right_first = all(_gap(m, want["running_mean"]) <= TOLERANCE and _gap(v, want["running_var"]) <= TOLERANCE
                           for m, v in first.values())
         if right_first:
             feedback.fail(f"the running statistics are right after the first step, not after step {step}: keep "
@@ -251,5 +308,4 @@ def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout: float = 180) -> Fe
                           "and variance, momentum · mean into running_mean and the unbiased variance into "
                           "running_var.", hint=3)
         else:
-            feedback.fail(_explain_running(*first[0], want[0]["x"]), hint=3)
-    return feedback
+            feedback.fail(_explain_running(*first[0], want["x"], momentum), hint=3)

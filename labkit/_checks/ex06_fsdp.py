@@ -1,9 +1,32 @@
-"""Exercise 06: FSDP2 units, and each rank's bytes, predicted and measured."""
+"""Exercise 06-fsdp: FSDP2 units, and each rank's bytes, predicted and measured."""
 
 from __future__ import annotations
 
-from labkit._feedback import Feedback, attempt
+from dataclasses import dataclass
+
 from labkit._checks._common import _metrics, _on, _ranks
+from labkit._feedback import Feedback, check, launched
+
+EXERCISE = "06-fsdp"
+
+HINTS = [
+    "fully_shard(module) makes a module one FSDP unit, whose weights are gathered together. Call "
+    "it on each block in model.blocks, then on model itself: the root comes last and takes what "
+    "no block took (the stem and the head).",
+    "FSDP cuts every parameter along dim 0 as torch.chunk(p, world_size) would: ceil(rows / "
+    "world_size) rows to a rank, and fewer (or none) to the last ranks when the rows do not "
+    "divide. A shard's bytes: its rows × (p.numel() // p.shape[0]) × p.element_size(). Each rank "
+    "keeps the gradient of its own shard only: the same bytes again.",
+    "AdamW keeps exp_avg and exp_avg_sq, each shaped like the shard, plus a 4-byte step counter "
+    "for each parameter tensor: optimizer = 2 × params + 4 × len(list(plain.parameters())). To "
+    "measure: memory.model_bytes(model, optimizer) counts each DTensor's local shard; call it "
+    "where the TODO is, after optimizer.step().",
+]
+
+_BYTES = ("params", "grads", "optim")  # what the script predicts and measures, in this order
+#: What the skeleton logs: its settings, the units it made, and the bytes.
+COLUMNS = ["dim", "depth", "block_units", "root_unit", "gathered_bytes",
+           *(f"predicted_{n}" for n in _BYTES), *(f"measured_{n}" for n in _BYTES)]
 
 
 def _shard_rows(rows: int, world_size: int, rank: int) -> int:
@@ -53,7 +76,7 @@ def _mlp_weights(dim: int, depth: int) -> tuple[int, int, int]:
 
 
 def _name_the_order(feedback: Feedback, script) -> None:
-    """A rank failed inside fully_shard: say that the order matters (the root comes last)."""
+    """The launch failed: if a rank failed inside fully_shard, say that the order matters (the root comes last)."""
     import os
     import re
 
@@ -69,6 +92,23 @@ def _name_the_order(feedback: Feedback, script) -> None:
                       f"block can no longer become a unit of its own.", hint=1)
 
 
+@dataclass
+class _Logged:
+    """What the ranks logged: the model's sizes and units (rank 0's), and each rank's numbers."""
+
+    firsts: dict  # {column: {rank: the first value it logged}}
+    world: int
+    dim: int
+    depth: int
+    units: str  # "1" for each block that is an FSDP unit, else "0"
+    root: bool  # the model itself is an FSDP unit
+
+    def bytes(self, kind: str) -> dict:
+        """{rank: (params, grads, optimizer)} that each rank logged as ``kind``: predicted or measured."""
+        return {r: tuple(int(self.firsts[f"{kind}_{n}"][r]) for n in _BYTES) for r in range(self.world)}
+
+
+@check
 def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedback:
     """Exercise 06-fsdp: every block and the root are FSDP units, at most the root and one block
     are whole at once, and each rank's bytes after the first step are predicted exactly and
@@ -89,32 +129,31 @@ def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedba
 
         labkit.check_fsdp("scripts/ex06_fsdp.py")
     """
-    feedback, run = attempt("06-fsdp", target, timeout=timeout, name="check-06-fsdp", **_ranks(2))
-    if run is None:
-        if feedback.failure is not None:  # the target was a script, and a rank raised
-            _name_the_order(feedback, target)
-        return feedback
-    names = ("params", "grads", "optim")
-    columns = ["dim", "depth", "block_units", "root_unit", "gathered_bytes",
-               *(f"predicted_{n}" for n in names), *(f"measured_{n}" for n in names)]
-    df = _metrics(feedback, run, columns)
-    if df is None:
-        return feedback
+    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-06-fsdp", explain=_name_the_order,
+                             **_ranks(2))
+    logged = _read(feedback, run)
+    whole, root_bytes, block_bytes = _mlp_weights(logged.dim, logged.depth)
+    _units(feedback, logged, whole, root_bytes + block_bytes)
+    _prediction(feedback, logged, whole)
+    _measurement(feedback, logged, whole)
+    return feedback
 
-    def first(column):
-        return df.dropna(subset=[column]).groupby("rank")[column].first().to_dict()
 
-    world = run.nproc
-    silent = sorted({r for c in columns for r in range(world) if r not in first(c)})
+def _read(feedback: Feedback, run) -> _Logged:
+    """Every column the check reads, from every rank; stops naming the ranks that left one out."""
+    df = _metrics(feedback, run, COLUMNS)
+    firsts = {c: df.dropna(subset=[c]).groupby("rank")[c].first().to_dict() for c in COLUMNS}
+    silent = sorted({r for c in COLUMNS for r in range(run.nproc) if r not in firsts[c]})
     if silent:
-        feedback.fail(f"{_on(silent, world)} did not log all the check reads (did the run stop early?): "
+        feedback.stop(f"{_on(silent, run.nproc)} did not log all the check reads (did the run stop early?): "
                       f"keep the skeleton's metrics.log(...) lines.")
-        return feedback
-    dim, depth = int(first("dim")[0]), int(first("depth")[0])
-    units, root = str(first("block_units")[0]), bool(first("root_unit")[0])
-    whole, root_bytes, block_bytes = _mlp_weights(dim, depth)
+    return _Logged(firsts, run.nproc, dim=int(firsts["dim"][0]), depth=int(firsts["depth"][0]),
+                   units=str(firsts["block_units"][0]), root=bool(firsts["root_unit"][0]))
 
-    # The units, and what is whole at once.
+
+def _units(feedback: Feedback, logged: _Logged, whole: int, limit: int) -> None:
+    """Each block and the root are FSDP units, and at most the root and one block are whole at once."""
+    depth, units, root = logged.depth, logged.units, logged.root
     missing = [i for i, u in enumerate(units) if u != "1"]
     feedback.expect(not missing, f"each of the {depth} blocks is an FSDP unit of its own",
                     "no block is an FSDP unit of its own: call fully_shard(block) for each block in "
@@ -124,7 +163,7 @@ def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedba
     feedback.expect(root, "the model itself is an FSDP unit too: the root, which shards the stem and the head",
                     "the model itself is not an FSDP unit, so the stem and the head stay whole on every rank "
                     "and nothing averages their gradients: call fully_shard(model) after the blocks.", hint=1)
-    gathered, limit = int(max(first("gathered_bytes").values())), root_bytes + block_bytes
+    gathered = int(max(logged.firsts["gathered_bytes"].values()))
     if gathered <= limit:
         feedback.ok(f"at most the root and one block were whole at once: {gathered:,} of the model's "
                     f"{whole:,} bytes of weights")
@@ -143,49 +182,55 @@ def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout: float = 300) -> Feedba
                       f"({limit:,}): shard every block, and leave reshard_after_forward at its default "
                       f"(True), so that each block frees its gathered weights after its forward.", hint=1)
 
-    # The prediction, against what FSDP done right holds.
-    predicted = {r: tuple(int(first(f"predicted_{n}")[r]) for n in names) for r in range(world)}
-    truth = {r: _fsdp_bytes(dim, depth, world, r) for r in range(world)}
-    tensors = truth[0]["tensors"]
+
+def _prediction(feedback: Feedback, logged: _Logged, whole: int) -> None:
+    """Each rank's prediction, against what FSDP done right holds."""
+    world = logged.world
+    predicted = logged.bytes("predicted")
+    truth = {r: _fsdp_bytes(logged.dim, logged.depth, world, r) for r in range(world)}
     wrong = [r for r in range(world)
              if predicted[r] != (truth[r]["params"], truth[r]["grads"], truth[r]["optimizer"])]
-    if not wrong:
-        t = truth[0]
-        share = (f"exactly 1/{world}" if t["params"] * world == whole
-                 else f"about 1/{world} (some tensors' rows do not divide by {world})")
-        feedback.ok(f"your prediction is exact on every rank: rank 0 holds {t['params']:,} bytes of parameters "
-                    f"({share} of the model's {whole:,}), {t['grads']:,} of gradients and {t['optimizer']:,} "
-                    f"of AdamW state")
-    else:
-        feedback.fail(_misprediction(wrong[0], predicted[wrong[0]], truth[wrong[0]], whole, world, tensors), hint=2)
+    if wrong:
+        r = wrong[0]
+        feedback.fail(_misprediction(r, predicted[r], truth[r], whole, world, truth[0]["tensors"]), hint=2)
+        return
+    t = truth[0]
+    share = (f"exactly 1/{world}" if t["params"] * world == whole
+             else f"about 1/{world} (some tensors' rows do not divide by {world})")
+    feedback.ok(f"your prediction is exact on every rank: rank 0 holds {t['params']:,} bytes of parameters "
+                f"({share} of the model's {whole:,}), {t['grads']:,} of gradients and {t['optimizer']:,} "
+                f"of AdamW state")
 
-    # The measurement, against what this rank really holds (with the units it has).
-    measured = {r: tuple(int(first(f"measured_{n}")[r]) for n in names) for r in range(world)}
-    held = {r: _fsdp_bytes(dim, depth, world, r, units=units, root=root) for r in range(world)}
+
+def _measurement(feedback: Feedback, logged: _Logged, whole: int) -> None:
+    """Each rank's measurement, against what it really holds with the units it has."""
+    world = logged.world
+    measured = logged.bytes("measured")
+    held = {r: _fsdp_bytes(logged.dim, logged.depth, world, r, units=logged.units, root=logged.root)
+            for r in range(world)}
     wrong = [r for r in range(world)
              if measured[r] != (held[r]["params"], held[r]["grads"], held[r]["optimizer"])]
     if not wrong:
         h = held[0]
         feedback.ok(f"your measurement is exact: rank 0 holds {h['params']:,} bytes of parameters, "
                     f"{h['grads']:,} of gradients and {h['optimizer']:,} of AdamW state")
+        return
+    r = wrong[0]
+    (params, grads, optim), h = measured[r], held[r]
+    if params == whole and h["params"] != whole:
+        feedback.fail(f"you measured {params:,} bytes of parameters on rank {r}, the whole model's: count "
+                      f"each DTensor's local shard (p.to_local()), as memory.model_bytes(model, optimizer) "
+                      f"does. Rank {r} holds {h['params']:,}.", hint=3)
+    elif optim == 0:
+        feedback.fail("you measured no optimizer state: pass the optimizer too, "
+                      "memory.model_bytes(model, optimizer).", hint=3)
+    elif grads == 0:
+        feedback.fail("you measured no gradients: measure where the TODO is, after optimizer.step() and "
+                      "before the next zero_grad(set_to_none=True) frees them.", hint=3)
     else:
-        r = wrong[0]
-        (params, grads, optim), h = measured[r], held[r]
-        if params == whole and h["params"] != whole:
-            feedback.fail(f"you measured {params:,} bytes of parameters on rank {r}, the whole model's: count "
-                          f"each DTensor's local shard (p.to_local()), as memory.model_bytes(model, optimizer) "
-                          f"does. Rank {r} holds {h['params']:,}.", hint=3)
-        elif optim == 0:
-            feedback.fail("you measured no optimizer state: pass the optimizer too, "
-                          "memory.model_bytes(model, optimizer).", hint=3)
-        elif grads == 0:
-            feedback.fail("you measured no gradients: measure where the TODO is, after optimizer.step() and "
-                          "before the next zero_grad(set_to_none=True) frees them.", hint=3)
-        else:
-            feedback.fail(f"rank {r} holds {h['params']:,} / {h['grads']:,} / {h['optimizer']:,} bytes of "
-                          f"parameters / gradients / optimizer state, but you measured {params:,} / "
-                          f"{grads:,} / {optim:,}: count the local shards, memory.model_bytes(model, optimizer).", hint=3)
-    return feedback
+        feedback.fail(f"rank {r} holds {h['params']:,} / {h['grads']:,} / {h['optimizer']:,} bytes of "
+                      f"parameters / gradients / optimizer state, but you measured {params:,} / "
+                      f"{grads:,} / {optim:,}: count the local shards, memory.model_bytes(model, optimizer).", hint=3)
 
 
 def _misprediction(rank: int, predicted: tuple, truth: dict, whole: int, world: int, tensors: int) -> str:

@@ -1,0 +1,29 @@
+"""Exercise 02-ddp: each common mistake gets the message that names it (real 2-rank launches)."""
+
+from __future__ import annotations
+
+import labkit
+from mistakes import Mistake, each_named_by
+
+NOTEBOOK = "02_ddp.ipynb"
+
+MISTAKES = {
+    "no-sampler-in-loader": Mistake("batch_size=args.batch_size, sampler=sampler, drop_last=True",
+                                    "batch_size=args.batch_size, shuffle=True, drop_last=True",
+                                    "rank 1 saw the same samples as rank 0: is the DistributedSampler in place",
+                                    hint=2),
+    "no-set-epoch": Mistake("    sampler.set_epoch(epoch)\n", "    pass\n", "sampler.set_epoch(epoch)", hint=2),
+    "no-ddp-wrap": Mistake('model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)\n', "",
+                           "wrap the model in DistributedDataParallel", hint=3),
+    "accuracy-not-reduced": Mistake("    dist.all_reduce(counts)\n", "    pass\n", "dist.all_reduce the counts"),
+    "every-rank-prints": Mistake("    if rank == 0:\n", "    if True:\n", "print only where rank == 0"),
+    "sampler-not-shuffled": Mistake("rank=rank, shuffle=True,", "rank=rank, shuffle=False,",
+                                    "keep the sampler's shuffle=True"),
+    "no-destroy": Mistake("dist.destroy_process_group()\n", "", "never calls dist.destroy_process_group()",
+                          hint=3),
+    "gpu-device-ids-on-cpu": Mistake('device_ids=[local_rank] if device.type == "cuda" else None',
+                                     "device_ids=[local_rank]", "DDP takes device_ids=None"),
+}
+
+
+test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_ddp, NOTEBOOK, MISTAKES)

@@ -1,0 +1,38 @@
+"""Exercise 05-resume: each common mistake gets the message that names it (real 2-rank launches,
+two per check: once whole, once with a crash)."""
+
+from __future__ import annotations
+
+import labkit
+from mistakes import Mistake, each_named_by
+
+NOTEBOOK = "05_checkpointing.ipynb"
+
+MISTAKES = {
+    "optimizer-not-restored": Mistake(
+        '    optimizer.load_state_dict(state["optimizer"])\n', "",
+        "the losses leave the uninterrupted run's from step 14 on: save and restore the optimizer's "
+        "state (its momentum) too",
+        ("exactly the weights saved at step 12", "random stream goes on where it was")),
+    "rng-not-restored": Mistake(
+        "    checkpoint.set_rng_state(state[\"rng\"][rank])  # this rank's own streams\n", "",
+        "save every rank's checkpoint.rng_state() and restore it with checkpoint.set_rng_state",
+        ("the optimizer's momentum came back",)),
+    "rank-0-rng-for-every-rank": Mistake('"rng": rngs}', '"rng": [checkpoint.rng_state()] * world_size}',
+                                         "went on with rank 0's random stream, not its own"),
+    "sampler-position-not-restored": Mistake(
+        'step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]', 'step = state["step"]',
+        "save epoch and batch_in_epoch, and restore both", ("random stream goes on where it was",)),
+    "wrapper-state-dict-saved": Mistake('"model": model.module.state_dict()', '"model": model.state_dict()',
+                                        "that is the DDP wrapper's state_dict. Save the unwrapped model"),
+}
+
+
+test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_resume, NOTEBOOK, MISTAKES)
+
+
+def test_check_resume_asks_for_a_script_not_a_finished_run(workdir):
+    from labkit._run import Run
+
+    feedback = labkit.check_resume(Run(workdir, {"name": "earlier"}))
+    assert feedback.status == "failed" and "pass the script's path" in feedback.messages("fail")[0]
