@@ -4,6 +4,7 @@ Run it on each node:  torchrun --nnodes=1:2 --nproc-per-node=1 --max-restarts=3 
     --rdzv-endpoint=<first node>:29500 --rdzv-id=job1 scripts/09_elastic.py --synthetic
 """
 import argparse
+import datetime
 import os
 import time
 
@@ -37,6 +38,7 @@ parser.add_argument("--ckpt-every", type=int, default=100, help="steps between c
 parser.add_argument("--crash-at-step", type=int, default=None, help="fault drill: crash there")
 parser.add_argument("--crash-rank", type=int, default=1, help="fault drill: the rank that crashes")
 parser.add_argument("--step-pause", type=float, default=0.0, help="seconds to rest after each step")
+parser.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait")
 args = parser.parse_args()
 
 # --- the distributed part: torchrun starts one process per device ------------------------
@@ -51,7 +53,9 @@ if torch.cuda.is_available():
 else:
     device = torch.device("cpu")
 if ddp:
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # The timeout is how soon NCCL notices a dead peer; gloo notices a closed socket at once.
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout))
 master = rank == 0  # rank 0 alone prints summaries and saves files
 # The world size can change between restarts; the global batch must not, so each rank's share does.
 if args.global_batch % world_size:
