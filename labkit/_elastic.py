@@ -37,7 +37,6 @@ import os
 import shlex
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 from labkit import _nodes, _proc
@@ -97,13 +96,13 @@ def children(pid: int) -> list[int]:
 class ElasticAgents(_nodes.Agents):
     """The agents of an elastic launch: nodes may be killed on purpose and added later.
 
-    A node killed on purpose does not count as a failure; the run goes on while any agent
-    that was not killed runs. ``procs[k]`` is node k's agent, including nodes added later.
+    A node killed on purpose does not count as a failure (``Agents.killed``); the run goes on
+    while any agent that was not killed runs. ``procs[k]`` is node k's agent, including nodes
+    added later.
     """
 
     def __init__(self, argvs, envs, logs):
         super().__init__(argvs, envs, logs)
-        self.killed: set[int] = set()
         self.replaced: dict[int, int] = {}   # joining node -> the killed node whose place it takes
 
     def free_place(self) -> int | None:
@@ -111,35 +110,12 @@ class ElasticAgents(_nodes.Agents):
         free = sorted(self.killed - set(self.replaced.values()))
         return free[0] if free else None
 
-    def _kept(self) -> list[subprocess.Popen]:
-        return [p for k, p in enumerate(self.procs) if k not in self.killed]
-
-    def running(self) -> bool:
-        codes = [p.poll() for p in self._kept()]
-        if all(code is not None for code in codes):
-            return False
-        if any(code not in (None, 0) for code in codes):
-            self.failed_at = self.failed_at or time.monotonic()
-            return time.monotonic() - self.failed_at < _nodes.FAILURE_GRACE_S
-        return True
-
-    @property
-    def returncode(self) -> int | None:
-        codes = [p.poll() for p in self._kept()]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            return failed[0]
-        return None if None in codes else 0
-
     def add(self, argv: list[str], env: dict, log: Path) -> int:
         """Start one more agent (a node that joins); returns its node number."""
         self.argvs.append(argv)
         self.envs.append(env)
         self.logs.append(log)
-        with open(log, "ab") as out:
-            self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
-                                               stderr=subprocess.STDOUT, env=env,
-                                               start_new_session=True))
+        self.procs.append(self._spawn(argv, env, log))
         return len(self.procs) - 1
 
     def kill(self, node: int) -> dict:

@@ -9,7 +9,6 @@ running: no agent (the one that joined included), no rank.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 

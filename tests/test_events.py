@@ -13,7 +13,7 @@ import time
 import pytest
 
 import labkit
-from labkit import LaunchTimeout, _events, _hang, _rundir
+from labkit import LaunchTimeout, _events, _rundir
 from test_nodes import nothing_left
 
 HANG = """

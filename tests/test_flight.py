@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 import labkit
-from labkit import _flight, _rundir
+from labkit import _rundir
 
 
 def _entry(seq, op, line, script="/work/scripts/09_hang.py"):

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import stat
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
