@@ -173,7 +173,12 @@ class Run:
         return throughput_windows(self.metrics(), warmup_windows=warmup_windows, name=self.name)
 
     def output(self, rank: int = 0) -> str:
-        """Everything ``rank`` printed, over all restarts."""
+        """Everything ``rank`` printed, over all restarts (a Slurm job: its one output file)."""
+        if "slurm" in self.info:
+            try:
+                return Path(self.info["slurm"]["output"]).read_text(errors="replace")
+            except OSError:
+                return ""
         return "".join(path.read_text(errors="replace")
                        for _, r, path in _rundir.rank_logs(self.run_dir) if r == rank)
 
