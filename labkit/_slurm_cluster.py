@@ -13,7 +13,9 @@ daemon it started, by pid, whatever happens (a failure, Ctrl-C, SIGTERM). In Pyt
 Everything lives in a temporary folder (configuration, munge key and socket, state, logs);
 nothing under /etc is read or changed. The daemons run in the foreground as this process's
 children and are told to die with it (Linux's parent-death signal), so even a manager killed
-with SIGKILL leaves none behind. Slurm's daemons need root here (``SlurmUser=root``);
+with SIGKILL leaves none behind. Job steps leave slurmd's process tree (slurmstepd is
+re-parented to init): ``stop()`` cancels every job, then ends whatever still carries the
+cluster's ``SLURM_CONF``. Slurm's daemons need root here (``SlurmUser=root``);
 ``missing()`` and ``install()`` say what is absent and add it with apt (Debian, Ubuntu).
 
 Standard library only.
@@ -130,29 +132,34 @@ def _die_with_parent() -> None:
         pass
 
 
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def _ancestors() -> set[int]:
+    """This process and every process above it (never to be killed as the cluster's)."""
+    found, pid = set(), os.getpid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    return children
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found
 
 
-def descendants(pids) -> list[int]:
-    """Every process below ``pids`` in the process tree (Linux /proc), deepest last."""
+def marked_processes(marker: bytes) -> list[int]:
+    """Pids of processes whose environment holds ``marker`` (Linux /proc), but not this one or
+    its ancestors. slurmstepd leaves its slurmd's process tree (it is re-parented to init), so
+    a job's processes are found by the ``SLURM_CONF=...`` they all inherited."""
     if not os.path.isdir("/proc"):
         return []
-    children, found, todo = _children_map(), [], list(pids)
-    while todo:
-        for child in children.get(todo.pop(0), []):
-            found.append(child)
-            todo.append(child)
+    mine, found = _ancestors(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in mine:
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            found.append(int(entry))
     return found
 
 
@@ -282,8 +289,6 @@ class OneHostCluster:
             return
         if "slurmctld" in self._procs and self._procs["slurmctld"].poll() is None:
             self._cancel_jobs(grace_s)
-        below = descendants(self.pids.values())
-        below_tokens = {pid: _start_time(pid) for pid in below}
         for name in reversed(list(self._procs)):  # slurmd first, munged last
             proc = self._procs[name]
             if proc.poll() is None:
@@ -295,15 +300,24 @@ class OneHostCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
-        for pid, token in below_tokens.items():
-            if token is not None and _start_time(pid) == token:
+        deadline = time.monotonic() + grace_s
+        while (left := self.job_processes()) and time.monotonic() < deadline:
+            for pid in left:  # job steps and their tasks, should scancel have missed any
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+            time.sleep(0.1)
         self._procs.clear()
         if self._own_folder:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+    def job_processes(self) -> list[int]:
+        """Pids of every process of this cluster other than its daemons: job steps (slurmstepd),
+        their tasks, and clients such as srun, all found by the ``SLURM_CONF`` they carry."""
+        daemons = set(self.pids.values())
+        return [pid for pid in marked_processes(f"SLURM_CONF={self.conf}".encode())
+                if pid not in daemons and _start_time(pid) is not None]
 
     def _cancel_jobs(self, grace_s: float) -> None:
         run = lambda argv: subprocess.run(argv, env=self.env, capture_output=True, text=True,  # noqa: E731
