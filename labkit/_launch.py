@@ -63,6 +63,12 @@ def node_env(env: dict, p: Plan, node: int) -> dict:
     return env
 
 
+def labkit_first_on_path(env: dict) -> str:
+    """PYTHONPATH for a process that must import this very labkit (a rank, a Slurm job)."""
+    return os.pathsep.join(
+        [_PACKAGE_PARENT] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+
+
 def rank_env(p: Plan, run_dir: Path, extra: dict | None) -> dict:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(p.threads_per_rank)
@@ -70,8 +76,7 @@ def rank_env(p: Plan, run_dir: Path, extra: dict | None) -> dict:
     env[_proc.LAUNCHER_PID_ENV] = str(os.getpid())
     env[_proc.LAUNCHER_TOKEN_ENV] = _proc.process_token(os.getpid()) or ""
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(
-        [_PACKAGE_PARENT] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+    env["PYTHONPATH"] = labkit_first_on_path(env)
     loopback = _hardware.loopback_interface()
     if loopback and "GLOO_SOCKET_IFNAME" not in env:
         env["GLOO_SOCKET_IFNAME"] = loopback  # single machine: gloo talks over loopback only

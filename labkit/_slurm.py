@@ -28,7 +28,6 @@ from labkit._tail import LineTail
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
 _POLL_S = 0.25
-_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ def sbatch(script, *, nodes: int = 2, args=(), timeout=600, name=None, env=None,
     status = slurm_status()
     if not status:
         raise RuntimeError(f"cannot submit {path}: {status.reason}.")
-    from labkit._launch import safe_name
+    from labkit._launch import labkit_first_on_path, safe_name
 
     name = safe_name(name if name is not None else path.stem, os.fspath(path), nodes)
     run_dir = _rundir.create(runs_dir, name)
@@ -134,8 +133,7 @@ def sbatch(script, *, nodes: int = 2, args=(), timeout=600, name=None, env=None,
             f"--output={output.resolve()}", os.fspath(path), *args]
     job_env = dict(os.environ, **{_rundir.RUN_DIR_ENV: str(run_dir.resolve())},
                    PYTHON=sys.executable, PYTHONUNBUFFERED="1", **env)
-    job_env["PYTHONPATH"] = os.pathsep.join(
-        [_PACKAGE_PARENT] + [x for x in job_env.get("PYTHONPATH", "").split(os.pathsep) if x])
+    job_env["PYTHONPATH"] = labkit_first_on_path(job_env)
     emit = (lambda line: None) if quiet else print
     emit(f"$ {shlex.join(argv)}")
     run = Run(run_dir, {"name": name, "script": os.fspath(path), "args": list(args), "nproc": None,
