@@ -73,8 +73,9 @@ def test_the_lessons_job_runs_one_torchrun_per_node(slurm_cluster, lesson):
     assert tasks[0].split()[-1] != tasks[1].split()[-1], tasks  # two different nodes
     df = run.metrics()
     assert run.info["world_size"] == 2 and sorted(df["rank"].unique()) == [0, 1]
-    where = df[df["step"] == 0].set_index("rank")
-    assert sorted(where["node"]) == [0, 1]  # each rank on its own node (GROUP_RANK)
+    where = df[df["step"] == 0].dropna(subset=["group_rank"]).set_index("rank")
+    assert sorted(where["group_rank"]) == [0, 1]  # each rank on its own node
+    assert (where["local_rank"] == 0).all() and (where["local_world_size"] == 1).all()
     losses = df.dropna(subset=["loss"]).pivot(index="step", columns="rank", values="loss")
     assert len(losses) == 4 and (losses[0] == losses[1]).all()  # all-reduced: the same everywhere
     assert not nothing_left(lesson)

@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Runtime:
-    rank: int          # this process among all of them
-    local_rank: int    # among the processes of this node: picks the GPU
-    group_rank: int    # which node (torchrun's GROUP_RANK)
+    rank: int              # this process among all of them
+    local_rank: int        # among the processes of its node: picks the GPU
+    group_rank: int        # which node (torchrun's GROUP_RANK)
+    local_world_size: int  # processes on this node
     world_size: int
     device: torch.device
 
@@ -30,7 +31,8 @@ def setup() -> Runtime:
     """Read what torchrun set, pick the device, join the process group (skipped alone)."""
     env = os.environ
     rank, local_rank = int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0))
-    world_size, group_rank = int(env.get("WORLD_SIZE", 1)), int(env.get("GROUP_RANK", 0))
+    group_rank, world_size = int(env.get("GROUP_RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)  # GPUs are numbered per node
         torch.cuda.set_device(device)
@@ -38,7 +40,7 @@ def setup() -> Runtime:
         device = torch.device("cpu")
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Runtime(rank, local_rank, group_rank, world_size, device)
+    return Runtime(rank, local_rank, group_rank, local_world_size, world_size, device)
 
 
 def teardown() -> None:

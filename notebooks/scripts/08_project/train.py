@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import socket
 from pathlib import Path
 
 import torch
@@ -89,7 +91,8 @@ def train(cfg: Config, rt: Runtime) -> None:
     if rt.main:
         log.info("%s; global batch %d", data.description,
                  cfg.batch_size * cfg.accum_steps * rt.world_size)
-    metrics.log(0, node=rt.group_rank, local_rank=rt.local_rank)  # where each rank ran
+    metrics.log(0, group_rank=rt.group_rank, local_rank=rt.local_rank,  # where each rank ran
+                local_world_size=rt.local_world_size, host=socket.gethostname(), pid=os.getpid())
     steps_per_epoch = len(loader) // cfg.accum_steps
     step, epoch = load(cfg, rt, model, optimizer)
     if step:
