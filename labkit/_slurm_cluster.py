@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from labkit import _proc
+
 #: Debian's packages: the daemons, the client commands and the authentication they share.
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 #: What a one-host cluster runs, with the package each comes from.
@@ -317,7 +319,7 @@ class OneHostCluster:
         their tasks, and clients such as srun, all found by the ``SLURM_CONF`` they carry."""
         daemons = set(self.pids.values())
         return [pid for pid in marked_processes(f"SLURM_CONF={self.conf}".encode())
-                if pid not in daemons and _start_time(pid) is not None]
+                if pid not in daemons and _proc.process_token(pid) is not None]
 
     def _cancel_jobs(self, grace_s: float) -> None:
         run = lambda argv: subprocess.run(argv, env=self.env, capture_output=True, text=True,  # noqa: E731
@@ -332,13 +334,6 @@ class OneHostCluster:
                 time.sleep(0.2)
         except (OSError, subprocess.TimeoutExpired):
             pass
-
-
-def _start_time(pid: int) -> str | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 # -- make test-slurm -------------------------------------------------------------------------
@@ -385,7 +380,7 @@ def main(argv: list[str]) -> int:
                 child.kill()
                 child.wait()
         cluster.stop()
-        left = [pid for pid in started_pids if _start_time(pid) is not None]
+        left = [pid for pid in started_pids if _proc.process_token(pid) is not None]
         print(f"one-host Slurm cluster stopped{'' if not left else f'; still running: {left}'}",
               flush=True)
 
