@@ -229,3 +229,33 @@ def test_no_rank_and_no_agent_outlives_the_launcher(workdir, write_script, sig):
     finally:
         launcher.kill()
         launcher.wait()
+
+
+# -- sweep -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("nnodes, error", [(0, ValueError), ("2", TypeError), (2.0, TypeError)])
+def test_a_sweep_refuses_bad_nnodes_before_any_run(workdir, write_script, nnodes, error):
+    write_script("ok.py", "print('hi')\n")
+    with pytest.raises(error, match="nnodes must be"):
+        labkit.sweep("ok.py", nprocs=[1, 2], nnodes=nnodes, repeats=1)
+    assert not (workdir / "runs").exists()
+
+
+@pytest.mark.launch
+def test_a_sweep_on_two_nodes(workdir, write_script):
+    """nprocs are ranks per node; every run of the sweep has the same two nodes."""
+    write_script("steps.py", """
+        import time, torch.distributed as dist
+        from labkit import metrics
+        dist.init_process_group("gloo")
+        for step in range(4):
+            time.sleep(0.05)
+            metrics.log(step, loss=1.0, samples=8)
+        dist.destroy_process_group()
+    """)
+    result = labkit.sweep("steps.py", nprocs=[1], nnodes=2, repeats=1, device="cpu", timeout=180)
+    [run] = result.runs
+    assert run.nnodes == 2 and run.world_size == 2 and run.name.endswith("-2nodes")
+    table = result.table()
+    assert list(table["world_size"]) == [2] and list(table["nproc"]) == [1]
+    assert "2 nodes (torchrun agents) on one machine" in result.caption
+    assert nothing_left(run.run_dir, timeout=5)
