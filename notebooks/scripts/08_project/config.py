@@ -21,7 +21,7 @@ class Config:
     seed: int = 0
     amp: bool = True             # bf16 autocast, on CPU and GPU alike
     # bookkeeping
-    out_dir: str = "out/08"      # each rank's log and the checkpoints
+    out_dir: str = "runs/08"     # each rank's log and the checkpoints
     log_every: int = 5           # optimizer steps between metrics lines
     ckpt_every: int = 20         # optimizer steps between checkpoints
     resume: bool = True          # continue from the newest checkpoint in out_dir
