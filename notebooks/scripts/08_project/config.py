@@ -13,7 +13,7 @@ class Config:
     synthetic: bool = False      # the synthetic set instead of CIFAR-10
     train_size: int = 0          # use the first N training images (0: all of them)
     width: int = 32              # channels of the model's first block
-    # optimisation
+    # training
     epochs: int = 2
     batch_size: int = 64         # per rank and micro-step
     accum_steps: int = 1         # micro-steps per optimizer step
