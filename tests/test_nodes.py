@@ -132,6 +132,25 @@ def test_a_taken_port_is_recognised_in_the_store_hosts_log(tmp_path):
     assert agents.addr_in_use()
 
 
+def test_an_agents_end_of_run_noise_stays_out_of_the_cell(tmp_path):
+    """The agent that did not host the store says, at a normal end, that the store went away."""
+    from labkit._supervise import Streams
+
+    (tmp_path / "torchrun-node1.log").write_text(
+        "[W1124 22:55:50.069039490 TCPStore.cpp:115] [c10d] recvVector failed on SocketImpl(fd=3): "
+        "Failed to recv, got 0 bytes.\n"
+        "Exception raised from recvBytes at /__w/pytorch/torch/csrc/distributed/c10d/Utils.hpp:790\n"
+        "frame #0: c10::Error::Error(c10::SourceLocation) + 0x9d\n"
+        "<omitting python frames>\n"
+        "W1124 22:55:50.144000 12877 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:1298] "
+        "The node '127.0.0.1_12877_0' has failed to shutdown the rendezvous 'x' due to an error of "
+        "type RendezvousConnectionError.\n"
+        "W1124 22:55:51.000000 12877 torch/distributed/run.py:1] a warning worth reading\n")
+    lines = []
+    Streams(tmp_path, lines.append, nnodes=2).finish()
+    assert lines == ["[torchrun node1] warning: a warning worth reading"]
+
+
 # -- real launches ---------------------------------------------------------------------------
 @pytest.mark.launch
 def test_two_nodes_of_two_ranks_each(workdir, write_script, capsys, monkeypatch):
