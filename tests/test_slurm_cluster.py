@@ -43,6 +43,17 @@ def test_without_slurm_sbatch_refuses_to_submit(monkeypatch, workdir):
     assert not (workdir / "runs").exists()
 
 
+def test_sbatch_refuses_bad_input_before_asking_slurm(workdir):
+    with pytest.raises(FileNotFoundError, match="batch script 'nope.sbatch' does not exist"):
+        _slurm.sbatch("nope.sbatch")
+    (workdir / "job.sbatch").write_text("#!/bin/bash\necho hi\n")
+    with pytest.raises(ValueError, match="nodes must be >= 1, got 0"):
+        _slurm.sbatch("job.sbatch", nodes=0)
+    with pytest.raises(TypeError, match="args must be a list of strings"):
+        _slurm.sbatch("job.sbatch", args="--epochs 1")
+    assert not (workdir / "runs").exists()
+
+
 def test_installed_but_no_controller(monkeypatch, tmp_path):
     """sbatch on PATH, nobody answering: the reason says so (sinfo's own words)."""
     for name in ("sbatch", "sinfo"):
