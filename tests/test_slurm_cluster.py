@@ -150,3 +150,20 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_jobs_processes_are_found_by_the_variable_they_carry(monkeypatch):
+    """slurmstepd leaves slurmd's process tree: the cluster finds its processes by SLURM_CONF."""
+    from labkit import _proc
+
+    marker = f"SLURM_CONF=/tmp/labkit-test-{os.getpid()}/slurm.conf"
+    monkeypatch.setenv("SLURM_CONF", marker.split("=", 1)[1])  # this process carries it too
+    child = subprocess.Popen(["sleep", "30"], env={"SLURM_CONF": marker.split("=", 1)[1]})
+    try:
+        found = _proc.marked_processes(marker.encode())
+        assert child.pid in found and os.getpid() not in found  # never the caller, nor its parents
+        assert os.getppid() not in found
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in _proc.marked_processes(marker.encode())
