@@ -278,3 +278,30 @@ def test_a_sweep_on_two_nodes(workdir, write_script):
     assert list(table["world_size"]) == [2] and list(table["nproc"]) == [1]
     assert "2 nodes (torchrun agents) on one machine" in result.caption
     assert nothing_left(run.run_dir, timeout=5)
+
+
+@pytest.mark.launch
+def test_a_launcher_killed_before_any_rank_started_leaves_no_agent(workdir, write_script):
+    """Killed while the agents still meet: the ranks they then start see their launcher gone
+    and end at once, and so do the agents (torchrun ends when its workers fail)."""
+    write_script("sleeper.py", SLEEPER)
+    launcher = python("""
+        import labkit
+        labkit.launch("sleeper.py", nproc=1, nnodes=2, device="cpu", timeout=300)
+    """, cwd=workdir)
+    try:
+        deadline = time.monotonic() + 120
+        run_dir = None
+        while time.monotonic() < deadline and run_dir is None:
+            for info in (workdir / "runs").glob("*/run.json"):
+                if "agent_pids" in json.loads(info.read_text()):
+                    run_dir = info.parent
+            time.sleep(0.05)
+        assert run_dir is not None, "the agents never started"
+        assert not list((run_dir / "pids").glob("rank*.json")), "too late: a rank had started"
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        assert nothing_left(run_dir, timeout=60), f"an agent or a rank of {run_dir} outlived its launcher"
+    finally:
+        launcher.kill()
+        launcher.wait()
