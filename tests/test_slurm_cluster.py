@@ -74,6 +74,18 @@ def test_make_test_slurm_skips_with_its_reason_where_it_cannot_install(monkeypat
     assert _slurm_cluster.main(["run"]) == 2
 
 
+def test_make_test_slurm_skips_with_apts_words_when_the_install_fails(monkeypatch, capsys):
+    monkeypatch.setattr(_slurm_cluster, "missing", lambda: ["slurmd"])
+    monkeypatch.setattr(_slurm_cluster, "cannot_install", lambda: None)
+
+    def offline(**kwargs):
+        raise RuntimeError("apt-get update -qq failed with code 100:\nTemporary failure resolving")
+    monkeypatch.setattr(_slurm_cluster, "install", offline)
+    assert _slurm_cluster.main(["run", "--install", "--", "false"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("skipped: the Slurm tests need slurmd, and apt-get update -qq failed with code 100")
+
+
 def test_installing_needs_root(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "needs root" in _slurm_cluster.cannot_install()
