@@ -6,11 +6,9 @@ elsewhere they are skipped with the reason. Every job is checked to leave nothin
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ import pytest
 
 import labkit
 from labkit import LaunchError, LaunchTimeout, _slurm
+from _lab import processes_under
 from conftest import ROOT, execute, python
 
 pytestmark = pytest.mark.slurm
@@ -27,23 +26,9 @@ TINY = ["--synthetic", "--train-size", "256", "--batch-size", "16", "--width", "
         "--log-every", "2", "--workers", "0"]
 
 
-def processes_under(folder: Path) -> list[str]:
-    """Processes (other than this one) whose working folder lies in ``folder``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            cwd = Path(os.readlink(f"/proc/{entry}/cwd"))
-            args = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if cwd.is_relative_to(folder) and args:
-            found.append(f"{entry} {args}")
-    return found
-
-
-def nothing_left(folder: Path, timeout: float = 20.0) -> list[str]:
+def nothing_left(folder: Path, timeout: float = 20.0) -> list[tuple[int, str]]:
+    """What still runs in ``folder`` (a job's steps and tasks run where it was submitted)
+    after up to ``timeout`` seconds: [] when nothing does."""
     deadline = time.monotonic() + timeout
     while (left := processes_under(folder)) and time.monotonic() < deadline:
         time.sleep(0.25)
@@ -150,9 +135,10 @@ def test_an_interrupt_cancels_the_job(slurm_cluster, write_script, workdir):
     """, cwd=workdir, stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any("sleep 300" in p for p in processes_under(workdir)):
+        sleeping = lambda: [args for _, args in processes_under(workdir) if "sleep 300" in args]  # noqa: E731
+        while time.monotonic() < deadline and not sleeping():
             time.sleep(0.2)
-        assert any("sleep 300" in p for p in processes_under(workdir)), "the job never started"
+        assert sleeping(), "the job never started"
         submitter.send_signal(signal.SIGINT)
         out = submitter.communicate(timeout=60)[0]
         assert submitter.returncode != 0 and "submitted job" in out
