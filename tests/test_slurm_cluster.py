@@ -179,3 +179,43 @@ def test_a_jobs_processes_are_found_by_the_variable_they_carry(monkeypatch):
         child.kill()
         child.wait()
     assert child.pid not in _proc.marked_processes(marker.encode())
+
+
+def _fake_slurm(folder, *, scontrol: str) -> None:
+    """sinfo, sbatch and scontrol stand-ins: one idle node; sbatch writes the job's output file
+    and says job 42; scontrol prints ``scontrol``."""
+    tools = {
+        "sinfo": 'echo "n1 idle"',
+        "sbatch": 'for a in "$@"; do case $a in --output=*) out=${a#--output=};; esac; done\n'
+                  'printf "hello from the job\\n%s\\n" "$LABKIT_RUN_DIR" > "$out"\necho 42',
+        "scontrol": scontrol,
+        "scancel": "exit 0",
+    }
+    for name, body in tools.items():
+        path = folder / name
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+
+
+def test_sbatch_streams_the_jobs_output_and_reads_its_end(monkeypatch, workdir, tmp_path, capsys):
+    _fake_slurm(tmp_path, scontrol='echo "JobId=42 JobState=COMPLETED Reason=None ExitCode=0:0"')
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    (workdir / "job.sbatch").write_text("#!/bin/bash\necho hi\n")
+    run = _slurm.sbatch("job.sbatch", nodes=2, timeout=30)
+    out = capsys.readouterr().out
+    assert "$ sbatch --parsable --nodes=2 --job-name=job --output=" in out
+    assert "[job 42] hello from the job" in out and "✓ job 42: COMPLETED on 2 node(s)" in out
+    assert run.status == "ok" and run.returncode == 0 and run.info["slurm"]["job_id"] == "42"
+    assert run.output().splitlines() == ["hello from the job", str(run.run_dir.resolve())]
+
+
+def test_a_job_slurm_no_longer_knows_is_reported_not_waited_for(monkeypatch, workdir, tmp_path):
+    """scontrol forgets a job some minutes after its end (MinJobAge): the wait must end."""
+    _fake_slurm(tmp_path, scontrol="exit 1")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(_slurm, "_FORGOTTEN_S", 0.5)
+    (workdir / "job.sbatch").write_text("#!/bin/bash\necho hi\n")
+    from labkit import LaunchError
+
+    with pytest.raises(LaunchError, match=r"Slurm job 42 ended UNKNOWN"):
+        _slurm.sbatch("job.sbatch", nodes=1, timeout=30, quiet=True)
