@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from labkit import _proc, _rundir
+from labkit import _agent, _proc, _rundir
 
 #: Environment variable that tells each rank (and its entry point) its node, 0..nnodes-1.
 NODE_ENV = "LABKIT_NODE"
@@ -85,10 +85,10 @@ class Agents:
 
     def start(self) -> None:
         for argv, env, log_path in zip(self.argvs, self.envs, self.logs):
-            with open(log_path, "ab") as log:
+            with open(log_path, "ab") as log:  # each agent dies with the kernel (labkit._agent)
                 self.procs.append(subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=env, start_new_session=True))
+                    _agent.command(argv), stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, env=env, start_new_session=True))
 
     @property
     def pids(self) -> list[int]:

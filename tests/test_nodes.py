@@ -11,6 +11,7 @@ import json
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -304,3 +305,38 @@ def test_a_launcher_killed_before_any_rank_started_leaves_no_agent(workdir, writ
     finally:
         launcher.kill()
         launcher.wait()
+
+
+@pytest.mark.launch
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_an_agent_waiting_for_a_peer_that_never_comes_dies_with_its_launcher(workdir, write_script):
+    """No rank of its own yet, so no rank's watchdog to end it: torchrun would wait 600 s in the
+    rendezvous. labkit._agent asks Linux to kill it with its launcher."""
+    write_script("ok.py", "print('hi')\n")
+    launcher = python("""
+        import os, sys, time
+        from pathlib import Path
+        from labkit import _nodes, _proc
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_nodes.free_port()}",
+                "--rdzv-id=alone", "ok.py"]
+        env = dict(os.environ, LABKIT_LAUNCHER_PID=str(os.getpid()),
+                   LABKIT_LAUNCHER_TOKEN=_proc.process_token(os.getpid()))
+        agents = _nodes.Agents([argv], [env], [Path("agent.log")])
+        agents.start()
+        print(agents.pids[0], flush=True)
+        time.sleep(300)
+    """, cwd=workdir, stdout=subprocess.PIPE, text=True)
+    try:
+        agent = int(launcher.stdout.readline())
+        token = _proc.process_token(agent)
+        time.sleep(3)  # it has become torchrun, and waits for a second agent
+        assert _proc.is_same_process(agent, token), "the agent did not start"
+        assert "torch.distributed.run" in open(f"/proc/{agent}/cmdline").read()
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while _proc.is_same_process(agent, token) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _proc.is_same_process(agent, token), "the agent outlived its launcher"
