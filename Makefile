@@ -21,7 +21,7 @@ TORCH  ?= torch==2.14.1 torchvision==0.29.1
 WHEELS ?=
 PIP_FROM = $(if $(WHEELS),--no-index --find-links $(WHEELS))
 
-.PHONY: lab test test-fast test-full test-browser exercises restore doctor bench clean-runs handout wheelhouse
+.PHONY: lab test test-fast test-full test-browser test-slurm exercises restore doctor bench clean-runs handout wheelhouse
 
 # The set-up runs again when what it installs changes: the content of pyproject.toml or TORCH.
 # The stamp holds their checksum (not a time: a fresh clone next to an existing .venv looks
@@ -69,6 +69,14 @@ test-browser: $(STAMP)
 	      echo "apt-get could not install chromium: the browser tests will skip"; \
 	  else echo "no chromium, and not root to install it: the browser tests will skip (apt-get install chromium)"; fi
 	LABKIT_SMOKE=1 $(PY) -m pytest --browser tests/test_browser.py
+
+# Lesson 08's Slurm part on a real cluster of one machine: munged, slurmctld and two slurmd
+# (nodes n1 and n2, ports 17000-17002), config in a temporary folder. As root it installs the
+# Debian packages first if they are missing (slurmctld slurmd slurm-client munge); elsewhere it
+# says why it skips. Every daemon it started is stopped, by pid, whatever happens.
+test-slurm: $(STAMP)
+	LABKIT_SMOKE=1 $(PY) -m labkit._slurm_cluster run --install -- \
+		$(PY) -m pytest tests/test_slurm.py tests/test_slurm_cluster.py
 
 # Regenerate exercises/ from solutions/ (a changed exercise is backed up to exercises/backup/).
 exercises: $(STAMP)

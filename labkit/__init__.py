@@ -10,6 +10,8 @@ Notebook side (see each name's docstring)::
     labkit.plot_speedup(sweep); labkit.plot_loss([run_a, run_b])
     DEVICE = labkit.lesson_device()            # "auto" on 2+ GPUs, else CPU ranks
     labkit.compare_losses(run, reference, epoch_tol=0.05).check()   # trained alike?
+    labkit.launch("scripts/08_project/train.py", nproc=1, nnodes=2)   # two nodes, one machine
+    labkit.sbatch("scripts/08_job.sbatch", nodes=2)                    # where Slurm answers
 
 Exercises (``exercises/``)::
 
@@ -69,6 +71,10 @@ _LAZY = {
     "RankFailure": "labkit._errors",
     "Feedback": "labkit._feedback",
     "hint": "labkit._hints",
+    # lesson 08: Slurm
+    "sbatch": "labkit._slurm",
+    "slurm_status": "labkit._slurm",
+    "SlurmStatus": "labkit._slurm",
 }
 _SUBMODULES = {"metrics", "data", "models", "checkpoint", "memory", "exercises", "syncbn", "comm"}
 

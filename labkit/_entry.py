@@ -35,7 +35,7 @@ import threading
 import time
 import traceback
 
-from labkit import _proc, _rundir, metrics
+from labkit import _nodes, _proc, _rundir, metrics
 
 _POLL_S = 0.5
 
@@ -191,6 +191,7 @@ def main(argv: list[str]) -> int:
         pid_file = _rundir.pid_file(run_dir, rank)
         pid_file.parent.mkdir(parents=True, exist_ok=True)
         _rundir.write_json(pid_file, {"pid": os.getpid(), "token": _proc.process_token(os.getpid())})
+        _nodes.record_layout(run_dir)  # several nodes: which node and local rank this rank is
     launcher_pid = os.environ.get(_proc.LAUNCHER_PID_ENV)
     threading.Thread(
         target=_watch,

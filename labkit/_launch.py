@@ -13,7 +13,7 @@ import uuid
 from importlib import metadata
 from pathlib import Path
 
-from labkit import _hardware, _proc, _rundir, _supervise
+from labkit import _hardware, _nodes, _proc, _rundir, _supervise
 from labkit._errors import LaunchError, LaunchTimeout, failure_hint, hide_labkit_frames, timeout_hint
 from labkit._live import LiveView
 from labkit._plan import Plan, check_env, plan, refuse_keywords
@@ -32,16 +32,41 @@ def safe_name(name: str | None, script: str, nproc: int) -> str:
 
 
 # -- the command ------------------------------------------------------------------------
-def torchrun_argv(p: Plan, run_dir: Path, run_id: str) -> list[str]:
+def torchrun_argv(p: Plan, run_dir: Path, run_id: str, *, node: int = 0,
+                  port: int | None = None) -> list[str]:
+    """The command of agent ``node``. One node: a rendezvous on a free port that torchrun picks
+    itself (``:0``). Several: all meet at ``port``, and node 0 hosts the store there."""
+    if p.nnodes == 1:
+        rendezvous = ["--rdzv-endpoint=127.0.0.1:0"]
+        log_dir = _rundir.torchrun_dir(run_dir)
+    else:
+        rendezvous = [f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-conf=is_host={int(node == 0)}"]
+        log_dir = _rundir.node_dir(run_dir, node)
     return [
         sys.executable, "-m", "torch.distributed.run",
-        "--nnodes=1", f"--nproc-per-node={p.nproc}",
-        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={run_id}",
+        f"--nnodes={p.nnodes}", f"--nproc-per-node={p.nproc}",
+        "--rdzv-backend=c10d", *rendezvous, f"--rdzv-id={run_id}",
         "--local-addr=127.0.0.1",  # the address ranks are told to meet at: loopback too
         f"--max-restarts={p.max_restarts}",
-        f"--log-dir={_rundir.torchrun_dir(run_dir)}", "--redirects=3",
+        f"--log-dir={log_dir}", "--redirects=3",
         "-m", "labkit._entry", p.script, *p.args,
     ]
+
+
+def node_env(env: dict, p: Plan, node: int) -> dict:
+    """Agent ``node``'s environment: which node it is and, on GPUs, its own devices."""
+    if p.nnodes == 1:
+        return env
+    env = dict(env, **{_nodes.NODE_ENV: str(node)})
+    if p.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = _nodes.gpu_slice(node, p.nproc, env.get("CUDA_VISIBLE_DEVICES"))
+    return env
+
+
+def labkit_first_on_path(env: dict) -> str:
+    """PYTHONPATH for a process that must import this very labkit (a rank, a Slurm job)."""
+    return os.pathsep.join(
+        [_PACKAGE_PARENT] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
 
 
 def rank_env(p: Plan, run_dir: Path, extra: dict | None) -> dict:
@@ -51,8 +76,7 @@ def rank_env(p: Plan, run_dir: Path, extra: dict | None) -> dict:
     env[_proc.LAUNCHER_PID_ENV] = str(os.getpid())
     env[_proc.LAUNCHER_TOKEN_ENV] = _proc.process_token(os.getpid()) or ""
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(
-        [_PACKAGE_PARENT] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+    env["PYTHONPATH"] = labkit_first_on_path(env)
     loopback = _hardware.loopback_interface()
     if loopback and "GLOO_SOCKET_IFNAME" not in env:
         env["GLOO_SOCKET_IFNAME"] = loopback  # single machine: gloo talks over loopback only
@@ -116,19 +140,23 @@ def _git_commit() -> str | None:
 # -- launch ------------------------------------------------------------------------------
 @refuse_keywords(nprocs="launch() takes nproc=<int> (one launch); for several world sizes use "
                         "labkit.sweep(script, nprocs=[1, 2, ...]).")
-def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="auto",
+def launch(script, *, nproc=None, nnodes=1, args=(), timeout=600, max_restarts=0, device="auto",
            name=None, threads_per_rank=None, env=None, runs_dir="runs", quiet=False) -> Run:
     """Run ``script`` on ``nproc`` ranks with torchrun; stream every rank's output here.
 
     Args:
         script: path to the script, relative to the notebook's folder.
-        nproc: ranks (default: every visible GPU, else 2 CPU ranks; 2 at most in smoke mode).
+        nproc: ranks per node (default: every visible GPU, else 2 CPU ranks; 2 at most in smoke
+            mode; shared between the nodes when ``nnodes`` > 1).
+        nnodes: torchrun agents, each playing one node of a cluster with ``nproc`` ranks, all on
+            this machine and meeting at one c10d rendezvous on loopback (lesson 08). On GPUs each
+            node gets GPUs of its own.
         args: the script's command-line arguments, a list of strings.
         timeout: seconds before the run is stopped (None: no limit; NaN and infinity are refused).
         max_restarts: how many times torchrun restarts the workers after a failure.
         device: "auto" (GPUs when present, else CPU) or "cpu" (hide the GPUs).
         name: the run's label in charts and in its folder name.
-        threads_per_rank: OMP_NUM_THREADS of each rank (default: CPU cores // nproc).
+        threads_per_rank: OMP_NUM_THREADS of each rank (default: CPU cores // ranks).
         env: extra environment variables for the ranks, e.g. {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}.
             Values are strings (a number is written as one); None is refused, not taken as "unset".
         runs_dir: where run folders go.
@@ -140,24 +168,26 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
     Raises:
         FileNotFoundError, ScriptError, ValueError, TypeError, PermissionError:
             bad input, before anything is launched: a missing script, one that is not a .py
-            file or does not compile, a bad nproc (more than 4 CPU ranks per core, too), ...
+            file or does not compile, a bad nproc or nnodes (more than 4 CPU ranks per core,
+            too), ...
         LaunchError: a rank failed (root cause first, with its traceback).
         LaunchTimeout: the run passed ``timeout``; says where each rank was.
         KeyboardInterrupt: you interrupted it; every rank has been stopped, and one line said
             how many and where the run folder is.
 
-    Example (lesson 02)::
+    Example (lesson 02; lesson 08 adds ``nnodes=2``)::
 
         run = labkit.launch("scripts/02_ddp.py", nproc=2, args=["--epochs", "2"])
     """
     p = plan(script, nproc=nproc, args=args, timeout=timeout, max_restarts=max_restarts,
-             device=device, threads_per_rank=threads_per_rank)
+             device=device, threads_per_rank=threads_per_rank, nnodes=nnodes)
     env = check_env(env)
-    name = safe_name(name, p.script, p.nproc)
+    name = safe_name(name, p.script, p.world_size)
     run_dir = _rundir.create(runs_dir, name)
     run_id = uuid.uuid4().hex[:12]
-    argv = torchrun_argv(p, run_dir, run_id)
     rank_environment = rank_env(p, run_dir, env)
+    port = _nodes.free_port() if p.nnodes > 1 else None
+    argvs = [torchrun_argv(p, run_dir, run_id, node=k, port=port) for k in range(p.nnodes)]
 
     def emit(line: str) -> None:
         if not quiet:
@@ -165,9 +195,10 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
 
     run = Run(run_dir, {
         "name": name, "script": p.script, "args": list(p.args), "nproc": p.nproc,
+        "nnodes": p.nnodes, "world_size": p.world_size,
         "device": p.device, "backend": "nccl" if p.device == "cuda" else "gloo",
         "threads_per_rank": p.threads_per_rank, "max_restarts": p.max_restarts,
-        "timeout": p.timeout, "run_id": run_id, "command": shlex.join(argv), "argv": argv,
+        "timeout": p.timeout, "run_id": run_id, "command": shlex.join(argvs[0]), "argv": argvs[0],
         "cwd": os.getcwd(), "smoke": _hardware.is_smoke(),
         "env": {k: rank_environment[k] for k in sorted(rank_environment)
                 if k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME",
@@ -176,26 +207,36 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
         "hardware": _hardware.describe(),
         "status": "running",
     })
-    emit(f"$ {run.command}")
-    emit(f"  (from a terminal: torchrun --standalone --nproc-per-node={p.nproc} "
-         f"{shlex.join([p.script, *p.args])})")
-    if p.device == "cpu" and p.nproc * p.threads_per_rank > _hardware.cpu_count():
-        emit(f"note: {p.nproc} ranks × {p.threads_per_rank} thread(s) on "
-             f"{_hardware.cpu_count()} cores: ranks share cores, so timings understate speedup.")
+    if p.nnodes > 1:
+        run.info["commands"] = [shlex.join(argv) for argv in argvs]
+    _echo(run, p, emit)
 
-    live = LiveView(run_dir, name, p.nproc, enabled=not quiet)
-    streams = _supervise.Streams(run_dir, emit)
-    log = open(run_dir / _rundir.TORCHRUN_LOG, "wb")
+    live = LiveView(run_dir, name, p.world_size, enabled=not quiet)
+    streams = _supervise.Streams(run_dir, emit, nnodes=p.nnodes)
+    logs = [_rundir.agent_log(run_dir, k, p.nnodes) for k in range(p.nnodes)]
     start = time.monotonic()
     run.info["start_time"] = time.time()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            env=rank_environment, start_new_session=True)
-    run.info["torchrun_pid"] = proc.pid
+    agents = _start_agents(argvs, [node_env(rank_environment, p, k) for k in range(p.nnodes)], logs)
+    run.info["torchrun_pid"] = agents.pids[0]
+    run.info["agent_pids"] = agents.pids
     run.save_info()
-    status, stacks = "running", {}
+    status, stacks, retries = "running", {}, 0
     try:
         deadline = None if p.timeout is None else start + p.timeout
-        while proc.poll() is None:
+        while agents.running():
+            if agents.addr_in_use() and retries < 3 and not _supervise.recorded_ranks(run_dir):
+                # Another program took the rendezvous port between free_port() and agent 0.
+                retries += 1
+                agents.stop()
+                port = _nodes.free_port()
+                emit(f"note: the rendezvous port was taken meanwhile; starting again on port {port}")
+                argvs = [torchrun_argv(p, run_dir, run_id, node=k, port=port) for k in range(p.nnodes)]
+                run.info.update(command=shlex.join(argvs[0]), argv=argvs[0],
+                                commands=[shlex.join(argv) for argv in argvs])
+                agents = _start_agents(argvs, agents.envs, logs)
+                run.info["torchrun_pid"], run.info["agent_pids"] = agents.pids[0], agents.pids
+                run.save_info()
+                continue
             streams.poll()
             live.update()
             if deadline is not None and time.monotonic() > deadline:
@@ -213,28 +254,54 @@ def launch(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="
         __tracebackhide__ = True  # IPython leaves this poll loop out of the traceback it shows
         status = "interrupted"
         running = len(_supervise.live_ranks(run_dir))
-        _supervise.stop(proc, run_dir)
+        _supervise.stop(agents, run_dir)
         print(f"interrupted: {running} rank{'' if running == 1 else 's'} stopped, run folder {run_dir}")
         hide_labkit_frames(interrupt)
         raise
     finally:
-        _supervise.stop(proc, run_dir)
-        log.close()
+        _supervise.stop(agents, run_dir)
         streams.finish(show=status != "interrupted")
         sys.stdout.flush()
+        returncode = agents.returncode
         if status == "running":
-            status = "ok" if proc.returncode == 0 else "failed"
-        run.info.update(status=status, returncode=proc.returncode, end_time=time.time(),
+            status = "ok" if returncode == 0 else "failed"
+        run.info.update(status=status, returncode=returncode, end_time=time.time(),
                         wall_s=round(time.monotonic() - start, 3))
+        if p.nnodes > 1:
+            run.info["returncodes"] = [proc.returncode for proc in agents.procs]
+            run.info["layout"] = streams.layout_summary()
         run.save_info()
         live.finish(status)
     return _conclude(run, streams, stacks, emit)
 
 
+def _start_agents(argvs, envs, logs) -> _nodes.Agents:
+    agents = _nodes.Agents(argvs, envs, logs)
+    agents.start()
+    return agents
+
+
+def _echo(run: Run, p: Plan, emit) -> None:
+    """Print the exact command(s), and what one would type in a terminal instead."""
+    script_and_args = shlex.join([p.script, *p.args])
+    if p.nnodes == 1:
+        emit(f"$ {run.command}")
+        emit(f"  (from a terminal: torchrun --standalone --nproc-per-node={p.nproc} {script_and_args})")
+    else:
+        for node, command in enumerate(run.info["commands"]):
+            emit(f"$ [node{node}] {command}")
+        emit(f"  (on a cluster, the same line on every node: torchrun --nnodes={p.nnodes} "
+             f"--nproc-per-node={p.nproc} --rdzv-backend=c10d --rdzv-endpoint=<first node>:29500 "
+             f"--rdzv-id=<job id> {script_and_args})")
+    if p.device == "cpu" and p.world_size * p.threads_per_rank > _hardware.cpu_count():
+        emit(f"note: {p.world_size} ranks × {p.threads_per_rank} thread(s) on "
+             f"{_hardware.cpu_count()} cores: ranks share cores, so timings understate speedup.")
+
+
 def _conclude(run: Run, streams, stacks: dict, emit) -> Run:
     """Report the outcome: a summary line, or the error that explains the failure."""
     if run.status == "timeout":
-        last_steps = {rank: None for rank in range(run.nproc)}
+        last_steps = {rank: None for rank in range(run.world_size)}
         try:
             df = run.metrics()
             last_steps.update(df.groupby("rank")["step"].max().to_dict())
@@ -248,12 +315,14 @@ def _conclude(run: Run, streams, stacks: dict, emit) -> Run:
     if run.status == "ok":
         if restarts:
             emit(f"note: torchrun restarted the workers {restarts} time(s); the run then finished.")
-        emit(f"✓ {run.name}: {run.nproc} rank(s), {run.wall_s:.1f} s, exit code 0 — {run.run_dir}")
+        nodes = "" if run.nnodes == 1 else f" on {run.nnodes} nodes"
+        emit(f"✓ {run.name}: {run.world_size} rank(s){nodes}, {run.wall_s:.1f} s, exit code 0 — {run.run_dir}")
         return run
     if failures:
         hint = failure_hint(failures)
     else:
-        hint = f"no rank recorded an error; torchrun's own log is {run.run_dir / _rundir.TORCHRUN_LOG}."
+        logs = " and ".join(str(_rundir.agent_log(run.run_dir, k, run.nnodes)) for k in range(run.nnodes))
+        hint = f"no rank recorded an error; torchrun's own log is {logs}."
     restarted = f" after {restarts} restart(s)" if restarts else ""
     raise LaunchError(
         f"run '{run.name}' failed{restarted}: torchrun exited with code {run.returncode}.",

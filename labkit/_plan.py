@@ -31,6 +31,11 @@ class Plan:
     args: tuple
     timeout: float | None
     max_restarts: int
+    nnodes: int = 1      # torchrun agents, one per "node", all on this machine
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
 
 
 # -- checks at the door -------------------------------------------------------------
@@ -152,25 +157,38 @@ def lesson_device(ranks: int = 2) -> str:
     return "auto" if _hardware.gpu_count() >= ranks else "cpu"
 
 
-def check_nproc(nproc, device: str) -> int:
+def check_nproc(nproc, device: str, nnodes: int = 1) -> int:
     _check_int("nproc", nproc, 1)
     cores = _hardware.cpu_count()
-    if device == "cpu" and nproc > MAX_RANKS_PER_CORE * cores:
+    ranks = nproc * nnodes
+    what = f"nproc={nproc}" if nnodes == 1 else f"nnodes={nnodes} × nproc={nproc} = {ranks}"
+    if device == "cpu" and ranks > MAX_RANKS_PER_CORE * cores:
         raise ValueError(
-            f"nproc={nproc} CPU ranks on {cores} core(s) is too many: labkit launches at most "
+            f"{what} CPU ranks on {cores} core(s) is too many: labkit launches at most "
             f"{MAX_RANKS_PER_CORE} CPU ranks per core ({MAX_RANKS_PER_CORE * cores} here). Each rank "
             f"starts its own Python and torch, so the run would spend its time starting up. "
-            f"HINT: nproc={cores} or fewer; ranks beyond {cores} share cores, so they add no speed."
+            f"HINT: {'nproc' if nnodes == 1 else 'nnodes × nproc'}={cores} or fewer; ranks beyond "
+            f"{cores} share cores, so they add no speed."
         )
     if device == "cuda":
         available = _hardware.gpu_count()
-        if nproc > available:
+        if ranks > available:
+            per_node = "" if nnodes == 1 else " (every node gets GPUs of its own, as on a cluster)"
             raise ValueError(
-                f"nproc={nproc} but only {available} GPU(s) are visible "
+                f"{what} but only {available} GPU(s) are visible{per_node} "
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). "
-                f"HINT: nproc={available}, or device='cpu' for CPU ranks."
+                f"HINT: nproc={max(1, available // nnodes)}, or device='cpu' for CPU ranks."
             )
     return nproc
+
+
+def check_nnodes(nnodes) -> int:
+    """How many torchrun agents ("nodes") a launch starts on this machine: an int >= 1."""
+    if isinstance(nnodes, str):
+        raise TypeError(
+            f"nnodes must be an int, e.g. nnodes=2, got the string {nnodes!r}. HINT: torchrun's "
+            f"elastic form '--nnodes=MIN:MAX' is not a launch option; pass the number of nodes.")
+    return _check_int("nnodes", nnodes, 1)
 
 
 def check_args(args) -> tuple:
@@ -237,14 +255,19 @@ def refuse_keywords(**messages):
 
 
 def plan(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="auto",
-         threads_per_rank=None) -> Plan:
+         threads_per_rank=None, nnodes=1) -> Plan:
     """Check every argument of a launch; raise before anything starts."""
+    nnodes = check_nnodes(nnodes)
     kind = resolve_device(device)
-    nproc = default_nproc(device) if nproc is None else check_nproc(nproc, kind)
+    if nproc is None:
+        nproc = default_nproc(device)
+        if nnodes > 1:  # the default is for the whole machine: share it between the nodes
+            nproc = max(1, nproc // nnodes) if kind == "cuda" else 1
+    check_nproc(nproc, kind, nnodes)
     timeout = check_timeout(timeout)
     _check_int("max_restarts", max_restarts, 0)
     if threads_per_rank is None:
-        threads_per_rank = max(1, _hardware.cpu_count() // nproc)
+        threads_per_rank = max(1, _hardware.cpu_count() // (nproc * nnodes))
     _check_int("threads_per_rank", threads_per_rank, 1)
     return Plan(check_script(script), nproc, kind, threads_per_rank, check_args(args),
-                timeout, max_restarts)
+                timeout, max_restarts, nnodes)

@@ -32,7 +32,8 @@ class Run:
         name: the label used in charts.
         run_dir: the run folder (``runs/<timestamp>-<name>``).
         command: the exact torchrun command, as a shell line.
-        nproc: ranks per run.
+        nproc: ranks per node (per run, with one node).
+        nnodes: torchrun agents ("nodes") of the run; world_size: nproc × nnodes.
         returncode: torchrun's exit code (None while running).
         wall_s: wall-clock seconds from launch to the end of the last rank.
         info: everything ``run.json`` holds.
@@ -46,6 +47,8 @@ class Run:
     name = property(lambda self: self.info["name"])
     command = property(lambda self: self.info["command"])
     nproc = property(lambda self: self.info["nproc"])
+    nnodes = property(lambda self: self.info.get("nnodes", 1))
+    world_size = property(lambda self: self.info.get("world_size", self.nproc * self.nnodes))
     args = property(lambda self: list(self.info.get("args", [])))
     returncode = property(lambda self: self.info.get("returncode"))
     wall_s = property(lambda self: self.info.get("wall_s"))
@@ -65,9 +68,13 @@ class Run:
         hw = self.info.get("hardware", {})
         if self.info.get("device") == "cuda":
             gpus = hw.get("gpus") or [{}]
-            return (f"{self.nproc} × {gpus[0].get('name', 'GPU')}, NCCL, one GPU per rank")
-        return (f"{self.nproc} CPU rank(s) × {self.info.get('threads_per_rank')} thread(s), gloo, "
+            return (f"{self.world_size} × {gpus[0].get('name', 'GPU')}, NCCL, one GPU per rank{self._nodes}")
+        return (f"{self.world_size} CPU rank(s){self._nodes} × {self.info.get('threads_per_rank')} thread(s), gloo, "
                 f"on {hw.get('cpu_count', '?')} cores")
+
+    @property
+    def _nodes(self) -> str:
+        return "" if self.nnodes == 1 else f" on {self.nnodes} nodes"
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Run":
@@ -166,13 +173,19 @@ class Run:
         return throughput_windows(self.metrics(), warmup_windows=warmup_windows, name=self.name)
 
     def output(self, rank: int = 0) -> str:
-        """Everything ``rank`` printed, over all restarts."""
+        """Everything ``rank`` printed, over all restarts (a Slurm job: its one output file)."""
+        if "slurm" in self.info:
+            try:
+                return Path(self.info["slurm"]["output"]).read_text(errors="replace")
+            except OSError:
+                return ""
         return "".join(path.read_text(errors="replace")
                        for _, r, path in _rundir.rank_logs(self.run_dir) if r == rank)
 
     def __repr__(self) -> str:
         wall = f"{self.wall_s:.1f} s" if isinstance(self.wall_s, (int, float)) else "?"
-        return (f"Run({self.name!r}, nproc={self.nproc}, status={self.status}, "
+        nodes = "" if self.nnodes == 1 else f", nnodes={self.nnodes}"
+        return (f"Run({self.name!r}, nproc={self.nproc}{nodes}, status={self.status}, "
                 f"returncode={self.returncode}, wall={wall}, run_dir='{self.run_dir}')")
 
 

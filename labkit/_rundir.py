@@ -10,6 +10,11 @@ A launch writes everything about itself under ``runs/<timestamp>-<name>/``::
     errors/rank<R>-restart<N>.json        rank R's uncaught exception in attempt N
     torchrun/<id>/attempt_<N>/<R>/stdout.log   what rank R printed in attempt N (torchrun --log-dir)
 
+With several nodes (``launch(nnodes=N)``) agent k writes ``torchrun-node<k>.log``, its ranks'
+logs go to ``torchrun/node<k>/<id>/attempt_<N>/<local rank>/stdout.log``, and
+``pids/layout.jsonl`` says which rank each (node, attempt, local rank) was. A Slurm job
+(``labkit.sbatch``) writes its output to ``slurm.out``.
+
 A sweep's folder holds ``sweep.json`` and one run folder per run. An export (``Run.export``)
 keeps run.json, data.json and metrics/: enough to redraw every chart.
 
@@ -41,7 +46,13 @@ ERRORS = "errors"
 TORCHRUN = "torchrun"
 SUBFOLDERS = (METRICS, PIDS, ERRORS, TORCHRUN)
 
+#: Several nodes: one line per rank and attempt, {rank, node, local_rank, group_rank, restart, pid}.
+LAYOUT_FILE = "layout.jsonl"
+#: A Slurm job's output file.
+SLURM_OUTPUT = "slurm.out"
+
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
+_NODE_LOG = re.compile(r"node(\d+)[/\\][^/\\]+[/\\]attempt_(\d+)[/\\](\d+)[/\\]stdout\.log$")
 _RANK_LOG = re.compile(r"attempt_(\d+)[/\\](\d+)[/\\]stdout\.log$")
 
 
@@ -121,13 +132,62 @@ def torchrun_dir(run_dir: str | os.PathLike) -> Path:
 
 def rank_logs(run_dir: str | os.PathLike) -> list[tuple[int, int, Path]]:
     """(attempt, rank, path) of every rank's stdout log torchrun has made so far, oldest attempt
-    first, then by rank."""
+    first, then by rank. With several nodes, a log whose rank has not yet written its layout
+    line is left out."""
     pattern = os.path.join(os.fspath(run_dir), TORCHRUN, "*", "attempt_*", "*", "stdout.log")
     found = []
     for path in glob.glob(pattern):
         match = _RANK_LOG.search(path)
         if match:
             found.append((int(match[1]), int(match[2]), Path(path)))
+    node_logs = node_rank_logs(run_dir)
+    layout = read_layout(run_dir) if node_logs else {}
+    for node, attempt, local, path in node_logs:
+        rec = layout.get((node, attempt, local))
+        if rec is not None:
+            found.append((attempt, rec["rank"], path))
+    return sorted(found)
+
+
+# -- several nodes -----------------------------------------------------------------------------
+def agent_log(run_dir: str | os.PathLike, node: int, nnodes: int) -> Path:
+    """Agent ``node``'s own output: ``torchrun.log`` for one node, ``torchrun-node<k>.log``."""
+    return Path(run_dir, TORCHRUN_LOG if nnodes == 1 else f"torchrun-node{node}.log")
+
+
+def node_dir(run_dir: str | os.PathLike, node: int) -> Path:
+    """Agent ``node``'s ``--log-dir`` (several nodes)."""
+    return Path(run_dir, TORCHRUN, f"node{node}")
+
+
+def layout_file(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir, PIDS, LAYOUT_FILE)
+
+
+def read_layout(run_dir: str | os.PathLike) -> dict[tuple[int, int, int], dict]:
+    """{(node, restart, local_rank): that line of the layout file} (torn lines skipped)."""
+    found = {}
+    try:
+        text = layout_file(run_dir).read_text()
+    except OSError:
+        return found
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+            found[(rec["node"], rec["restart"], rec["local_rank"])] = rec
+        except (ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def node_rank_logs(run_dir: str | os.PathLike) -> list[tuple[int, int, int, Path]]:
+    """(node, attempt, local rank, path) of every rank log under ``torchrun/node<k>/``."""
+    pattern = os.path.join(os.fspath(run_dir), TORCHRUN, "node*", "*", "attempt_*", "*", "stdout.log")
+    found = []
+    for path in glob.glob(pattern):
+        match = _NODE_LOG.search(path)
+        if match:
+            found.append((int(match[1]), int(match[2]), int(match[3]), Path(path)))
     return sorted(found)
 
 

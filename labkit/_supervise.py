@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from collections import deque
@@ -26,6 +25,12 @@ _FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<f
 _GLOG_RE = re.compile(r"^([IWEF])\d{4} [\d:.]+ +\d+ \S+:\d+\] (.*)$")
 _GLOG_LEVEL = {"I": "", "W": "warning: ", "E": "error: ", "F": "fatal: "}
 _TORCHRUN_NOISE = ("no error file defined for parent",)
+# What an agent prints when the agent that hosted the store has already exited at the end of
+# a run: "[W1124 22:55:50.069 TCPStore.cpp:115] [c10d] recvVector failed on ..." (then C++
+# frames), and "The node '...' has failed to shutdown the rendezvous '...' due to an error of
+# type RendezvousConnectionError."
+_TCPSTORE_NOISE = re.compile(r"^\[W\d{4} [\d:.]+ (?:\d+ )?(TCPStore|socket)\.cpp:\d+\]|"
+                             r"has failed to shutdown the rendezvous .* RendezvousConnectionError")
 _THREAD_RE = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*most recent call first")
 #: Lines of each rank's stack dump that a timeout shows in the cell; the whole dump stays in
 #: the rank's log (64 ranks of ~60 lines each used to flood the notebook).
@@ -40,27 +45,57 @@ class Streams:
     kernel's main thread reaches the notebook.
     """
 
-    def __init__(self, run_dir: Path, emit, *, show_torchrun: bool = True):
+    def __init__(self, run_dir: Path, emit, *, show_torchrun: bool = True, nnodes: int = 1):
         self.run_dir = Path(run_dir)
         self.emit = emit
         self.show_torchrun = show_torchrun
+        self.nnodes = nnodes
         self._tails: dict[str, tuple[int, int, object]] = {}
-        self._torchrun = _LineTail(self.run_dir / _rundir.TORCHRUN_LOG)
-        self._torchrun_quiet = False
+        self._torchrun = [_LineTail(_rundir.agent_log(self.run_dir, k, nnodes)) for k in range(nnodes)]
+        self._torchrun_quiet = [False] * nnodes
+        self.node_of: dict[int, int] = {}  # rank -> node, several nodes only
+        self._layout: dict[tuple[int, int, int], dict] = {}
         self._attempts: set[int] = {0}
         self.recent: dict[int, deque] = {}
         self._held: dict[int, list[str]] | None = None
         self._script = ""
 
-    def _discover(self) -> None:
+    def _discover(self, final: bool = False) -> None:
+        if self.nnodes > 1:
+            self._discover_nodes(final)
+            return
         for attempt, rank, path in _rundir.rank_logs(self.run_dir):
             if str(path) not in self._tails:
                 self._tails[str(path)] = (rank, attempt, _LineTail(path))
 
+    def _discover_nodes(self, final: bool) -> None:
+        """Several agents: a log's folder names its node and local rank; the layout file, which
+        each rank's entry point writes before the script starts, names its global rank."""
+        for node, attempt, local, path in _rundir.node_rank_logs(self.run_dir):
+            path = str(path)
+            if path in self._tails:
+                continue
+            rec = self._layout.get((node, attempt, local))
+            if rec is None:
+                self._layout = _rundir.read_layout(self.run_dir)
+                rec = self._layout.get((node, attempt, local))
+            if rec is None and not final:
+                continue  # its entry point has not said yet which rank it is
+            rank = rec["rank"] if rec else -1 - node * 1000 - local  # unknown: never a real rank
+            self.node_of[rank] = node
+            self._tails[path] = (rank, attempt, _LineTail(path))
+
+    def layout_summary(self) -> dict:
+        """{rank: {"node", "local_rank", "group_rank", "pid"}} of the latest attempt, for run.json."""
+        latest: dict[int, dict] = {}
+        for rec in sorted(self._layout.values(), key=lambda r: r["restart"]):
+            latest[rec["rank"]] = {k: rec[k] for k in ("node", "local_rank", "group_rank", "pid")}
+        return {str(rank): latest[rank] for rank in sorted(latest)}
+
     def poll(self, *, final: bool = False) -> None:
         """Print what is new, attempt by attempt: an older attempt is over, so it is
         drained completely (its unfinished last line too) before the next one's lines."""
-        self._discover()
+        self._discover(final)
         attempts = sorted({attempt for _, attempt, _ in self._tails.values()})
         for attempt in attempts:
             if attempt not in self._attempts:
@@ -73,8 +108,9 @@ class Streams:
                 rest = tail.rest() if done else ""
                 if rest:
                     self._line(rank, rest)
-        for line in self._torchrun.new_lines():
-            self._torchrun_line(line)
+        for node, tail in enumerate(self._torchrun):
+            for line in tail.new_lines():
+                self._torchrun_line(line, node)
 
     def finish(self, *, show: bool = True) -> None:
         """Read what is left, including unfinished last lines. ``show=False`` reads it without
@@ -82,10 +118,18 @@ class Streams:
         if not show:
             self.emit = lambda line: None
         self.poll(final=True)
-        rest = self._torchrun.rest()
-        if rest:
-            self._torchrun_line(rest)
+        for node, tail in enumerate(self._torchrun):
+            rest = tail.rest()
+            if rest:
+                self._torchrun_line(rest, node)
         self._release()
+
+    def prefix(self, rank: int) -> str:
+        """``[rank3]``, or ``[node1][rank3]`` when the run has several nodes."""
+        if rank < 0:  # a log whose rank never said which it was
+            return f"[node{self.node_of.get(rank, '?')}][local rank {(-1 - rank) % 1000}]"
+        node = self.node_of.get(rank)
+        return f"[rank{rank}]" if node is None else f"[node{node}][rank{rank}]"
 
     def hold(self, script: str) -> None:
         """Keep rank lines back from now on (a timeout is about to ask for stack dumps).
@@ -100,11 +144,11 @@ class Streams:
         for rank, lines in sorted(held.items()):
             shown = dump_excerpt(lines, self._script)
             for line in shown:
-                self.emit(f"[rank{rank}] {line}")
+                self.emit(f"{self.prefix(rank)} {line}")
             hidden = sum(1 for line in lines if line.strip()) - sum(1 for line in shown if line.strip())
             if hidden > 0:
                 where = self.log_size(rank)
-                self.emit(f"[rank{rank}] … {hidden} more line(s) of its stack dump are in "
+                self.emit(f"{self.prefix(rank)} … {hidden} more line(s) of its stack dump are in "
                           f"{where[0] if where else self.run_dir}")
 
     def _line(self, rank: int, line: str) -> None:
@@ -112,20 +156,23 @@ class Streams:
         if self._held is not None:
             self._held.setdefault(rank, []).append(line)
             return
-        self.emit(f"[rank{rank}] {line}")
+        self.emit(f"{self.prefix(rank)} {line}")
 
-    def _torchrun_line(self, line: str) -> None:
+    def _torchrun_line(self, line: str, node: int = 0) -> None:
         # torchrun ends a failed run with its own traceback and a summary box;
         # LaunchError says the same more plainly, so the rest stays in torchrun.log.
         if line.startswith("Traceback (most recent call last)"):
-            self._torchrun_quiet = True
-        if not self.show_torchrun or self._torchrun_quiet or not line.strip():
+            self._torchrun_quiet[node] = True
+        if not self.show_torchrun or self._torchrun_quiet[node] or not line.strip():
             return
+        if self.nnodes > 1 and (line.startswith(("frame #", "Exception raised from ", "<omitting"))
+                                or _TCPSTORE_NOISE.search(line)):
+            return  # an agent's C++ warnings when a peer agent left first: its store connection
         match = _GLOG_RE.match(line)
         if match:
             line = _GLOG_LEVEL[match.group(1)] + match.group(2)
         if not any(noise in line for noise in _TORCHRUN_NOISE):
-            self.emit(f"[torchrun] {line}")
+            self.emit(f"[torchrun node{node}] {line}" if self.nnodes > 1 else f"[torchrun] {line}")
 
     def log_size(self, rank: int) -> tuple[str, int] | None:
         """(path, size) of the rank's newest log, to read what it prints from now on."""
@@ -157,17 +204,10 @@ def live_ranks(run_dir: Path) -> dict[int, int]:
             if _proc.is_same_process(pid, token)}
 
 
-def stop(proc: subprocess.Popen, run_dir: Path, *, grace_s: float = 3.0) -> None:
-    """End torchrun and every rank: SIGTERM, a grace period, then SIGKILL by recorded pid."""
-    if proc.poll() is None:
-        try:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        except ProcessLookupError:
-            pass
+def stop(agents, run_dir: Path, *, grace_s: float = 3.0) -> None:
+    """End every torchrun agent and every rank: SIGTERM, a grace period, then SIGKILL by
+    recorded pid (``agents``: a ``_nodes.Agents``)."""
+    agents.stop(grace_s)
     deadline = time.monotonic() + 5.0
     while True:
         alive = live_ranks(run_dir)
@@ -273,10 +313,13 @@ def collect_failures(run_dir: Path, streams: Streams) -> tuple[list[RankFailure]
             records.append(json.loads(path.read_text()))
         except (ValueError, OSError):
             continue
-    torchrun_log = Path(run_dir, _rundir.TORCHRUN_LOG)
-    text = torchrun_log.read_text(errors="replace") if torchrun_log.exists() else ""
-    signalled = {int(rank): int(code) for code, rank in _TORCHRUN_FAILED_RE.findall(text)}
-    signalled.update({int(rank): int(code) for rank, code in _TORCHRUN_SUMMARY_RE.findall(text)})
+    signalled = {}
+    for node in range(streams.nnodes):
+        torchrun_log = _rundir.agent_log(run_dir, node, streams.nnodes)
+        text = torchrun_log.read_text(errors="replace") if torchrun_log.exists() else ""
+        if streams.nnodes == 1:  # with several agents, this line's local rank is not the rank
+            signalled.update({int(rank): int(code) for code, rank in _TORCHRUN_FAILED_RE.findall(text)})
+        signalled.update({int(rank): int(code) for rank, code in _TORCHRUN_SUMMARY_RE.findall(text)})
     last_restart = max([r["restart"] for r in records] + [max(streams._attempts)])
     failures = []
     for rec in records:

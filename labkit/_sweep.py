@@ -9,7 +9,7 @@ from pathlib import Path
 from labkit import _hardware, _rundir
 from labkit._errors import LabkitError
 from labkit._launch import launch, safe_name
-from labkit._plan import check_nproc, plan, refuse_keywords, resolve_device
+from labkit._plan import check_nnodes, check_nproc, plan, refuse_keywords, resolve_device
 from labkit._live import in_notebook
 from labkit._run import Run, new_folder
 
@@ -41,7 +41,9 @@ class Sweep:
         else:
             per = (f"{self.threads_per_rank} CPU thread(s) per rank (held fixed, so each rank adds "
                    f"cores), gloo, on {hw['cpu_count']} cores")
-        return f"{self.info['repeats']} repeat(s) per point; {per}."
+        nnodes = self.info.get("nnodes", 1)
+        nodes = f"; {nnodes} nodes (torchrun agents) on one machine, nproc ranks each" if nnodes > 1 else ""
+        return f"{self.info['repeats']} repeat(s) per point; {per}{nodes}."
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Sweep":
@@ -92,6 +94,9 @@ class Sweep:
         base_n, base_rate = table["nproc"].iloc[0], table["samples_per_s"].iloc[0]
         table["speedup"] = table["samples_per_s"] / base_rate
         table["efficiency"] = table["speedup"] / (table["nproc"] / base_n)
+        nnodes = self.info.get("nnodes", 1)
+        if nnodes > 1:  # nproc is per node
+            table.insert(1, "world_size", table["nproc"] * nnodes)
         return table
 
     def __repr__(self) -> str:
@@ -101,13 +106,14 @@ class Sweep:
 @refuse_keywords(nproc="sweep() takes nprocs=[...], the world sizes to compare, e.g. nprocs=[1, 2]; "
                        "for one run use labkit.launch(script, nproc=2).")
 def sweep(script, *, nprocs, repeats=3, args=(), device="auto", threads_per_rank=None,
-          timeout=600, name=None, runs_dir="runs") -> Sweep:
+          timeout=600, name=None, runs_dir="runs", nnodes=1) -> Sweep:
     """Launch ``script`` at each nproc in ``nprocs``, ``repeats`` times, for a speedup chart.
 
     Runs are interleaved (1, 2, 4, 1, 2, 4, ...) so that a slow spell of the
     machine spreads over every point. On CPU, threads per rank stay fixed across
     nproc (default: cores // max(nprocs)), so adding a rank adds cores, the way
-    adding a GPU adds a device.
+    adding a GPU adds a device. With ``nnodes`` > 1 every run has that many nodes (torchrun
+    agents on this machine, lesson 08) and ``nprocs`` are the ranks per node.
 
     Returns:
         a Sweep; ``sweep.table()`` and ``labkit.plot_speedup(sweep)`` read it.
@@ -128,22 +134,23 @@ def sweep(script, *, nprocs, repeats=3, args=(), device="auto", threads_per_rank
         raise ValueError("nprocs is empty: a sweep needs at least one world size, e.g. [1, 2]")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    nnodes = check_nnodes(nnodes)
     kind = resolve_device(device)
     for n in nprocs:
-        check_nproc(n, kind)
+        check_nproc(n, kind, nnodes)
     if len(set(nprocs)) != len(nprocs):
         raise ValueError(f"nprocs has duplicates: {nprocs}. HINT: name each world size once; "
                          f"repeats={repeats} already runs each of them {repeats} time(s).")
     nprocs = sorted(nprocs)
     if threads_per_rank is None:
-        threads_per_rank = max(1, _hardware.cpu_count() // max(nprocs))
+        threads_per_rank = max(1, _hardware.cpu_count() // (max(nprocs) * nnodes))
     for n in nprocs:  # every argument checked before the first launch
         plan(script, nproc=n, args=args, timeout=timeout, device=device,
-             threads_per_rank=threads_per_rank)
+             threads_per_rank=threads_per_rank, nnodes=nnodes)
     name = safe_name(Path(os.fspath(script)).stem if name is None else name, os.fspath(script), 0)
     sweep_dir = _rundir.create(runs_dir, f"sweep-{name}", subfolders=False)
     info = {"name": name, "script": os.fspath(script), "args": [str(a) for a in args],
-            "nprocs": nprocs, "repeats": repeats, "device": kind,
+            "nprocs": nprocs, "nnodes": nnodes, "repeats": repeats, "device": kind,
             "threads_per_rank": threads_per_rank,
             "hardware": _hardware.describe(),
             "runs": []}
@@ -155,12 +162,12 @@ def sweep(script, *, nprocs, repeats=3, args=(), device="auto", threads_per_rank
     total = len(nprocs) * repeats
     for repeat in range(repeats):
         for n in nprocs:
-            label = f"{name}-n{n}-r{repeat + 1}"
+            label = f"{name}-n{n}-r{repeat + 1}" + (f"-{nnodes}nodes" if nnodes > 1 else "")
             progress = f"sweep {name}: run {len(result.runs) + 1}/{total} (nproc={n}, repeat {repeat + 1})"
             if handle is not None:
                 handle.update({"text/plain": progress}, raw=True)
             try:
-                run = launch(script, nproc=n, args=args, device=device, timeout=timeout,
+                run = launch(script, nproc=n, nnodes=nnodes, args=args, device=device, timeout=timeout,
                              threads_per_rank=threads_per_rank, name=label, runs_dir=sweep_dir,
                              quiet=True)
             except LabkitError as err:

@@ -21,8 +21,19 @@ def _has_gpu() -> bool:
     return _hardware.gpu_count() > 0
 
 
+def _slurm_missing() -> str | None:
+    """Why the Slurm tests cannot run here (None: a cluster answers)."""
+    from labkit._slurm import slurm_status
+    status = slurm_status()
+    return None if status else f"{status.reason}; make test-slurm runs them"
+
+
 def pytest_collection_modifyitems(config, items):
     skips = {}
+    if any("slurm" in item.keywords for item in items):
+        reason = _slurm_missing()
+        if reason:
+            skips["slurm"] = pytest.mark.skip(reason=reason)
     if not _has_gpu():
         skips["gpu"] = pytest.mark.skip(reason="needs a CUDA GPU; none is visible on this machine")
     if not (ROOT / "solutions").is_dir():  # a workshop's hand-out, without the answers
@@ -42,6 +53,18 @@ def pytest_report_header(config):
     from labkit.handout import LEFT_OUT
     return ("a workshop's hand-out: left out " + "; ".join(f"{path} ({why})" for path, why in LEFT_OUT.items())
             + ". The tests that need them are skipped, each saying why.")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The Slurm cluster the tests submit to: the one SLURM_CONF names (``make test-slurm``
+    starts a one-host cluster and sets it), or the machine's own. Tests that use it are marked
+    ``slurm`` and skipped, with the reason, where none answers."""
+    from labkit._slurm import slurm_status
+    status = slurm_status()
+    if not status:
+        pytest.skip(f"{status.reason}; make test-slurm runs this")
+    return status
 
 
 @pytest.fixture
