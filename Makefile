@@ -21,7 +21,7 @@ TORCH  ?= torch==2.14.1 torchvision==0.29.1
 WHEELS ?=
 PIP_FROM = $(if $(WHEELS),--no-index --find-links $(WHEELS))
 
-.PHONY: lab test test-fast test-full test-slurm test-browser exercises restore doctor bench clean-runs handout wheelhouse
+.PHONY: lab test test-fast test-full test-browser test-slurm exercises restore doctor bench clean-runs handout wheelhouse
 
 # The set-up runs again when what it installs changes: the content of pyproject.toml or TORCH.
 # The stamp holds their checksum (not a time: a fresh clone next to an existing .venv looks
@@ -55,6 +55,20 @@ test-fast: $(STAMP)
 # Every lesson in full mode as well, as a learner runs it by default (tens of minutes on a laptop).
 test-full: $(STAMP)
 	LABKIT_SMOKE=1 $(PY) -m pytest --full
+
+# The course as a learner uses it: JupyterLab (smoke mode, a copy of the course under /tmp) driven
+# by headless Chromium through Playwright: Run All, the live chart, interrupt, restart, a check.
+# Installs what is missing: Playwright into .venv, Debian's chromium with apt when run as root
+# (Playwright cannot fetch its own browsers offline); without chromium the tests skip and say why.
+# Screenshots of every step: build/browser/<test>/.
+test-browser: $(STAMP)
+	@$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install $(PIP_FROM) playwright
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    { apt-get update -qq && apt-get install -y -qq chromium; } || \
+	      echo "apt-get could not install chromium: the browser tests will skip"; \
+	  else echo "no chromium, and not root to install it: the browser tests will skip (apt-get install chromium)"; fi
+	LABKIT_SMOKE=1 $(PY) -m pytest --browser tests/test_browser.py
 
 # Lesson 08's Slurm part on a real cluster of one machine: munged, slurmctld and two slurmd
 # (nodes n1 and n2, ports 17000-17002), config in a temporary folder. As root it installs the

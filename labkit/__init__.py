@@ -28,6 +28,7 @@ Script side::
     from labkit import syncbn, comm            # torch (lessons 03, 04):
     model = DDP(syncbn.convert_sync_batchnorm(model))   # BatchNorm over all ranks, any backend
     counter = comm.count_allreduces(model)              # DDP's gradient all-reduces, counted
+    with comm.count_collectives() as seen: ...          # every collective, in bytes (lesson 10)
     from labkit import checkpoint, memory      # torch (lessons 05, 06): atomic saves, bytes
 
 Names load lazily, so a rank that only imports ``labkit.metrics`` does not pay

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from labkit import _proc, _rundir
+from labkit import _agent, _proc, _rundir
 
 #: Environment variable that tells each rank (and its entry point) its node, 0..nnodes-1.
 NODE_ENV = "LABKIT_NODE"
@@ -94,8 +94,8 @@ class Agents:
     @staticmethod
     def _spawn(argv: list[str], env: dict, log_path: Path) -> subprocess.Popen:
         """One agent, in a session of its own, its output appended to ``log_path``."""
-        with open(log_path, "ab") as log:
-            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+        with open(log_path, "ab") as log:  # each agent dies with the kernel (labkit._agent)
+            return subprocess.Popen(_agent.command(argv), stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     @property

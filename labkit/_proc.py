@@ -67,3 +67,35 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
             os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _ancestors() -> set[int]:
+    """This process and every process above it (never to be killed as the cluster's)."""
+    found, pid = set(), os.getpid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found
+
+
+def marked_processes(marker: bytes) -> list[int]:
+    """Pids of processes whose environment holds ``marker`` (Linux /proc), but not this one or
+    its ancestors. slurmstepd leaves its slurmd's process tree (it is re-parented to init), so
+    a job's processes are found by the ``SLURM_CONF=...`` they all inherited (lesson 08's
+    one-host cluster, ``labkit._slurm_cluster``)."""
+    if not os.path.isdir("/proc"):
+        return []
+    mine, found = _ancestors(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in mine:
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            found.append(int(entry))
+    return found

@@ -28,6 +28,7 @@ from labkit._tail import LineTail
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
 _POLL_S = 0.25
+_FORGOTTEN_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,7 @@ def sbatch(script, *, nodes: int = 2, args=(), timeout=600, name=None, env=None,
     run.save_info()
     emit(f"submitted job {job_id}; its output: {output}")
     start, tail, state, code = time.monotonic(), LineTail(output), "PENDING", None
+    known = start  # when scontrol last knew the job (it forgets a job MinJobAge after its end)
     try:
         while True:
             for line in tail.new_lines():
@@ -155,6 +157,10 @@ def sbatch(script, *, nodes: int = 2, args=(), timeout=600, name=None, env=None,
             state, code = job_state(job_id)
             if state in FINAL_STATES:
                 break
+            if state != "UNKNOWN":
+                known = time.monotonic()
+            elif time.monotonic() - known > _FORGOTTEN_S:
+                break  # ended long ago, or never known: reported as failed, with what it printed
             if timeout is not None and time.monotonic() - start > timeout:
                 state = cancel(job_id)
                 run.info["status"] = "timeout"

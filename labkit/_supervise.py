@@ -25,9 +25,12 @@ _FRAME_RE = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<f
 _GLOG_RE = re.compile(r"^([IWEF])\d{4} [\d:.]+ +\d+ \S+:\d+\] (.*)$")
 _GLOG_LEVEL = {"I": "", "W": "warning: ", "E": "error: ", "F": "fatal: "}
 _TORCHRUN_NOISE = ("no error file defined for parent",)
-# What an agent's C++ store client prints when the agent that hosted the store has already
-# exited at the end of a run: "[W... TCPStore.cpp:115] [c10d] recvVector failed on ...".
-_TCPSTORE_NOISE = re.compile(r"^\[W\d{4} [\d:.]+ (\d+ )?(TCPStore|socket)\.cpp:\d+\]")
+# What an agent prints when the agent that hosted the store has already exited at the end of
+# a run: "[W1124 22:55:50.069 TCPStore.cpp:115] [c10d] recvVector failed on ..." (then C++
+# frames), and "The node '...' has failed to shutdown the rendezvous '...' due to an error of
+# type RendezvousConnectionError."
+_TCPSTORE_NOISE = re.compile(r"^\[W\d{4} [\d:.]+ (?:\d+ )?(TCPStore|socket)\.cpp:\d+\]|"
+                             r"has failed to shutdown the rendezvous .* RendezvousConnectionError")
 _THREAD_RE = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*most recent call first")
 #: Lines of each rank's stack dump that a timeout shows in the cell; the whole dump stays in
 #: the rank's log (64 ranks of ~60 lines each used to flood the notebook).

@@ -1,4 +1,4 @@
-"""Count DDP's gradient all-reduces: a communication hook that counts, then all-reduces as usual.
+"""Count communication: DDP's gradient all-reduces (a hook), and any collective (a dispatch mode).
 
 DDP groups gradients into buckets and all-reduces each bucket during
 ``backward()``. A *communication hook* replaces that all-reduce with a
@@ -15,18 +15,29 @@ assuming, how many all-reduces ``no_sync()`` saves::
     counter.reset()
 
 Torch only; the counting itself is two additions per bucket, on the host.
+
+Lesson 10 counts every collective of a training step, whatever the strategy (DDP, FSDP,
+tensor parallel, both on a 2-D mesh) and weighs it in bytes::
+
+    with comm.count_collectives() as forward:
+        loss = F.cross_entropy(model(x), y)
+    forward.calls              # {"all_reduce": 4}: one per tensor-parallel block
+    forward.bytes              # {"all_reduce": 65536}: the full buffer of each, added up
+    forward.sent_bytes         # what each rank sends, by the ring algorithms' arithmetic
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations
 # against the real dist.GradBucket and Future types, and would refuse strings.
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["AllReduceCounter", "count_allreduces"]
+__all__ = ["AllReduceCounter", "count_allreduces", "Collective", "CollectiveCounter", "count_collectives"]
 
 
 @dataclass
@@ -98,3 +109,157 @@ def count_allreduces(model: DistributedDataParallel) -> AllReduceCounter:
     counter = AllReduceCounter(process_group=model.process_group)
     model.register_comm_hook(counter, _counting_allreduce)
     return counter
+
+
+# -- every collective, whatever issues it ----------------------------------------------------------
+#: The name PyTorch gives each collective (as a c10d op, or a functional collective) -> its kind.
+_KINDS = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+    "alltoall_": "all_to_all", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+    "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter",
+    "send": "send",   # point to point (pipeline stages); its receive is the other rank's part
+}
+#: Bytes each rank sends per byte of full buffer on a group of n ranks, with the ring
+#: algorithms NCCL uses: nccl-tests' "bus bandwidth" factors (its doc/PERFORMANCE.md).
+_SENT_PER_BYTE = {
+    "all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0 if n > 1 else 0.0, "reduce": lambda n: 1.0 if n > 1 else 0.0,
+    "gather": lambda n: (n - 1) / n, "scatter": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank took part in (lesson 10).
+
+    Attributes:
+        kind: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``, ``"broadcast"``, ...,
+            or ``"send"`` (point to point, as pipeline stages talk).
+        bytes: the size of its full buffer: the tensor all-reduced, an all-gather's output,
+            a reduce-scatter's input (the size nccl-tests calls the message size).
+        group_size: the ranks in its group (a tensor-parallel group, FSDP's, everyone).
+    """
+
+    kind: str
+    bytes: int
+    group_size: int
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes this rank sends for it with ring algorithms: 2(n-1)/n of the buffer for an
+        all-reduce, (n-1)/n for an all-gather or a reduce-scatter; 0 in a group of one; all
+        of it for a send."""
+        return self.bytes * _SENT_PER_BYTE[self.kind](self.group_size)
+
+
+def _tensors_bytes(value) -> int:
+    """Bytes of the tensors in one argument (a tensor, or a list of them, nested)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensors_bytes(v) for v in value)
+    return 0
+
+
+def _group_size(args) -> int:
+    """The size of the group a collective runs on, from its arguments: a c10d op carries the
+    ProcessGroup itself, a functional collective its group's name."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for value in args:
+        if isinstance(value, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(value).size()
+            except RuntimeError:   # another script object (a ReduceOp, options)
+                continue
+        if isinstance(value, str):
+            try:
+                return _resolve_process_group(value).size()
+            except (KeyError, ValueError, RuntimeError):   # "sum", "avg": not a group name
+                continue
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts and weighs every collective issued while it is active; ``count_collectives()``
+    makes one (lesson 10).
+
+    A *dispatch mode* sees every operation PyTorch runs, as it runs it, whoever calls it: DDP's
+    reducer, FSDP's all-gathers and reduce-scatters, the all-reduces a DTensor plan puts in
+    forward and in backward. PyTorch's own ``torch.distributed.tensor.debug.CommDebugMode``
+    counts collectives this way; this one also adds each one's full-buffer bytes and group size
+    (and imports nothing heavy: CommDebugMode loads the compiler stack, seconds per rank).
+
+    Attributes:
+        collectives: a ``Collective`` per call, in order.
+        calls: ``{kind: number of calls}``.
+        bytes: ``{kind: full-buffer bytes, added up}``.
+        sent_bytes: bytes this rank sends in all of them, by the ring algorithms' arithmetic.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.collectives: list[Collective] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        dtensor = sys.modules.get("torch.distributed.tensor")   # loaded if a DTensor exists
+        if dtensor is not None and any(issubclass(t, dtensor.DTensor) for t in types):
+            # A DTensor first turns the operation into plain operations and collectives on
+            # its local tensors; those come back through this mode, and are counted then.
+            return NotImplemented
+        out = func(*args, **kwargs)
+        packet = getattr(func, "_overloadpacket", None)
+        kind = _KINDS.get(getattr(packet, "__name__", ""))
+        if kind and "c10d" in str(packet):
+            values = [*args, *kwargs.values()]
+            full = max([_tensors_bytes(v) for v in values] + [_tensors_bytes(out)])
+            self.collectives.append(Collective(kind, full, _group_size(values)))
+        return out
+
+    @property
+    def calls(self) -> dict:
+        return {kind: sum(c.kind == kind for c in self.collectives) for kind in self._kinds()}
+
+    @property
+    def bytes(self) -> dict:
+        return {kind: sum(c.bytes for c in self.collectives if c.kind == kind) for kind in self._kinds()}
+
+    @property
+    def sent_bytes(self) -> float:
+        return sum(c.sent_bytes for c in self.collectives)
+
+    def _kinds(self) -> list:
+        return list(dict.fromkeys(c.kind for c in self.collectives))
+
+
+def count_collectives() -> CollectiveCounter:
+    """A context manager that counts the collectives this rank takes part in while it is active.
+
+    Every collective that goes through PyTorch's dispatcher is seen: DDP's gradient
+    all-reduces, FSDP2's all-gathers and reduce-scatters, tensor parallelism's all-reduces in
+    forward and in backward (backward runs inside ``loss.backward()``: put that in the block),
+    and the point-to-point sends between pipeline stages (kind ``"send"``).
+
+    Returns:
+        A ``CollectiveCounter``; read ``calls``, ``bytes`` and ``sent_bytes`` after the block.
+
+    Example (lesson 10)::
+
+        with comm.count_collectives() as backward:
+            loss.backward()
+        metrics.log(step, backward_calls=sum(backward.calls.values()), sent=backward.sent_bytes)
+    """
+    return CollectiveCounter()

@@ -8,6 +8,7 @@ the all-reduces of one step. Float64, so "the same" means within 1e-12.
 
 from __future__ import annotations
 
+import re
 
 import pytest
 import torch
@@ -126,4 +127,114 @@ def test_count_needs_a_ddp_model():
 def test_module_is_documented():
     import inspect
     for name in comm.__all__:
-        assert "lesson 04" in inspect.getdoc(getattr(comm, name)), name
+        assert re.search(r"lesson (04|10)", inspect.getdoc(getattr(comm, name))), name
+
+
+# -- count_collectives: every collective of a step, whatever the strategy (lesson 10) --------------
+DIM, DEPTH, BATCH = 16, 2, 4
+
+
+def _collectives_rank(rank: int, world_size: int, strategy: str) -> dict:
+    """One forward and one backward of an MLPStack under ``strategy``, counted two ways: by
+    count_collectives, and by PyTorch's own CommDebugMode (names normalised to kinds)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from labkit.models import MLPStack
+
+    torch.manual_seed(0)
+    model = MLPStack(dim=DIM, depth=DEPTH, in_features=DIM)
+    mesh = init_device_mesh("cpu", (world_size,))
+    if strategy == "ddp":
+        model = DDP(model)
+    elif strategy == "fsdp":
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        for block in model.blocks:
+            parallelize_module(block, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    x, y = torch.randn(BATCH, DIM), torch.randint(0, 10, (BATCH,))
+    out = {}
+    with comm.count_collectives() as forward, CommDebugMode() as forward_torch:
+        loss = F.cross_entropy(model(x), y)
+    with comm.count_collectives() as backward, CommDebugMode() as backward_torch:
+        loss.backward()
+    for name, ours, theirs in (("forward", forward, forward_torch), ("backward", backward, backward_torch)):
+        out[name] = {"calls": ours.calls, "bytes": ours.bytes, "sent": ours.sent_bytes,
+                     "sizes": {c.group_size for c in ours.collectives},
+                     "torch": {comm._KINDS[op.__name__]: n for op, n in theirs.get_comm_counts().items() if n}}
+    return out
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
+def test_count_collectives_counts_what_commdebugmode_counts_and_weighs_it(strategy):
+    from labkit.models import MLPStack
+
+    params = sum(p.numel() * 4 for p in MLPStack(dim=DIM, depth=DEPTH, in_features=DIM).parameters())
+    activation = BATCH * DIM * 4   # a block's output, all-reduced by tensor parallelism
+    expected = {   # what each strategy must do in one step on 2 ranks: calls and full-buffer bytes
+        "ddp": ({}, {"all_reduce": (1, params)}),   # one bucket: the model is small
+        "fsdp": ({"all_gather": (DEPTH + 1, params)},   # the root and each block, gathered
+                 {"all_gather": (DEPTH, params - _root_bytes()),   # the blocks again; the root stays
+                  "reduce_scatter": (DEPTH + 1, params)}),
+        "tp": ({"all_reduce": (DEPTH, DEPTH * activation)}, {"all_reduce": (DEPTH, DEPTH * activation)}),
+    }[strategy]
+    for rank, out in enumerate(run_ranks(2, _collectives_rank, strategy)):
+        for phase, want in zip(("forward", "backward"), expected):
+            got = out[phase]
+            assert got["calls"] == {kind: n for kind, (n, _) in want.items()}, (rank, phase, got)
+            assert got["bytes"] == {kind: b for kind, (_, b) in want.items()}, (rank, phase, got)
+            assert got["torch"] == got["calls"], (rank, phase, got)   # CommDebugMode agrees
+            ring = sum(b * (2 if kind == "all_reduce" else 1) / 2 for kind, (_, b) in want.items())
+            assert got["sent"] == pytest.approx(ring), (rank, phase, got)
+            assert got["sizes"] <= {2}, got
+
+
+def _root_bytes() -> int:
+    """Bytes of the MLPStack's own parameters outside its blocks (stem and head)."""
+    from labkit.models import MLPStack
+
+    model = MLPStack(dim=DIM, depth=DEPTH, in_features=DIM)
+    return sum(p.numel() * 4 for name, p in model.named_parameters() if not name.startswith("blocks."))
+
+
+def test_collective_sent_bytes_follow_the_ring_algorithms():
+    from labkit.comm import Collective
+
+    assert Collective("all_reduce", 1000, 4).sent_bytes == 1500     # 2 (n-1)/n
+    assert Collective("all_gather", 1000, 4).sent_bytes == 750      # (n-1)/n
+    assert Collective("reduce_scatter", 1000, 2).sent_bytes == 500
+    assert Collective("all_reduce", 1000, 1).sent_bytes == 0        # a group of one sends nothing
+
+
+def test_count_collectives_outside_any_process_group_counts_nothing():
+    with comm.count_collectives() as counted:
+        F.mse_loss(_model()(torch.randn(4, 6, dtype=torch.float64)),
+                   torch.zeros(4, 3, dtype=torch.float64)).backward()
+    assert counted.calls == {} and counted.bytes == {} and counted.sent_bytes == 0
+
+
+def _send_rank(rank: int, world_size: int) -> dict:
+    """Rank 0 sends 10 float32 numbers to rank 1, point to point, as pipeline stages do."""
+    import torch.distributed as dist
+
+    tensor = torch.arange(10, dtype=torch.float32) if rank == 0 else torch.zeros(10)
+    with comm.count_collectives() as counted:
+        if rank == 0:
+            dist.send(tensor, dst=1)
+        else:
+            dist.recv(tensor, src=0)
+    return {"calls": counted.calls, "bytes": counted.bytes, "sent": counted.sent_bytes, "got": tensor}
+
+
+@pytest.mark.launch
+def test_count_collectives_counts_a_send_on_the_sending_rank_only():
+    sender, receiver = run_ranks(2, _send_rank)
+    assert sender["calls"] == {"send": 1} and sender["bytes"] == {"send": 40} and sender["sent"] == 40
+    assert receiver["calls"] == {} and receiver["sent"] == 0
+    assert torch.equal(receiver["got"], torch.arange(10, dtype=torch.float32))

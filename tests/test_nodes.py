@@ -132,6 +132,25 @@ def test_a_taken_port_is_recognised_in_the_store_hosts_log(tmp_path):
     assert agents.addr_in_use()
 
 
+def test_an_agents_end_of_run_noise_stays_out_of_the_cell(tmp_path):
+    """The agent that did not host the store says, at a normal end, that the store went away."""
+    from labkit._supervise import Streams
+
+    (tmp_path / "torchrun-node1.log").write_text(
+        "[W1124 22:55:50.069039490 TCPStore.cpp:115] [c10d] recvVector failed on SocketImpl(fd=3): "
+        "Failed to recv, got 0 bytes.\n"
+        "Exception raised from recvBytes at /__w/pytorch/torch/csrc/distributed/c10d/Utils.hpp:790\n"
+        "frame #0: c10::Error::Error(c10::SourceLocation) + 0x9d\n"
+        "<omitting python frames>\n"
+        "W1124 22:55:50.144000 12877 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:1298] "
+        "The node '127.0.0.1_12877_0' has failed to shutdown the rendezvous 'x' due to an error of "
+        "type RendezvousConnectionError.\n"
+        "W1124 22:55:51.000000 12877 torch/distributed/run.py:1] a warning worth reading\n")
+    lines = []
+    Streams(tmp_path, lines.append, nnodes=2).finish()
+    assert lines == ["[torchrun node1] warning: a warning worth reading"]
+
+
 # -- real launches ---------------------------------------------------------------------------
 @pytest.mark.launch
 def test_two_nodes_of_two_ranks_each(workdir, write_script, capsys, monkeypatch):
@@ -259,3 +278,65 @@ def test_a_sweep_on_two_nodes(workdir, write_script):
     assert list(table["world_size"]) == [2] and list(table["nproc"]) == [1]
     assert "2 nodes (torchrun agents) on one machine" in result.caption
     assert nothing_left(run.run_dir, timeout=5)
+
+
+@pytest.mark.launch
+def test_a_launcher_killed_before_any_rank_started_leaves_no_agent(workdir, write_script):
+    """Killed while the agents still meet: the ranks they then start see their launcher gone
+    and end at once, and so do the agents (torchrun ends when its workers fail)."""
+    write_script("sleeper.py", SLEEPER)
+    launcher = python("""
+        import labkit
+        labkit.launch("sleeper.py", nproc=1, nnodes=2, device="cpu", timeout=300)
+    """, cwd=workdir)
+    try:
+        deadline = time.monotonic() + 120
+        run_dir = None
+        while time.monotonic() < deadline and run_dir is None:
+            for info in (workdir / "runs").glob("*/run.json"):
+                if "agent_pids" in json.loads(info.read_text()):
+                    run_dir = info.parent
+            time.sleep(0.05)
+        assert run_dir is not None, "the agents never started"
+        assert not list((run_dir / "pids").glob("rank*.json")), "too late: a rank had started"
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+        assert nothing_left(run_dir, timeout=60), f"an agent or a rank of {run_dir} outlived its launcher"
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+@pytest.mark.launch
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_an_agent_waiting_for_a_peer_that_never_comes_dies_with_its_launcher(workdir, write_script):
+    """No rank of its own yet, so no rank's watchdog to end it: torchrun would wait 600 s in the
+    rendezvous. labkit._agent asks Linux to kill it with its launcher."""
+    write_script("ok.py", "print('hi')\n")
+    launcher = python("""
+        import os, sys, time
+        from pathlib import Path
+        from labkit import _nodes, _proc
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_nodes.free_port()}",
+                "--rdzv-id=alone", "ok.py"]
+        env = dict(os.environ, LABKIT_LAUNCHER_PID=str(os.getpid()),
+                   LABKIT_LAUNCHER_TOKEN=_proc.process_token(os.getpid()))
+        agents = _nodes.Agents([argv], [env], [Path("agent.log")])
+        agents.start()
+        print(agents.pids[0], flush=True)
+        time.sleep(300)
+    """, cwd=workdir, stdout=subprocess.PIPE, text=True)
+    try:
+        agent = int(launcher.stdout.readline())
+        token = _proc.process_token(agent)
+        time.sleep(3)  # it has become torchrun, and waits for a second agent
+        assert _proc.is_same_process(agent, token), "the agent did not start"
+        assert "torch.distributed.run" in open(f"/proc/{agent}/cmdline").read()
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.monotonic() + 10
+    while _proc.is_same_process(agent, token) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _proc.is_same_process(agent, token), "the agent outlived its launcher"

@@ -14,8 +14,10 @@ from labkit import _rundir
 # What the course's other tools must never cost a rank before its script runs, nor a notebook
 # that only reads a run: torch alone takes a second or more to import.
 HEAVY = ("torch", "numpy", "pandas", "matplotlib", "IPython")
-# Every module a rank imports before the script runs (python -m labkit._entry SCRIPT).
-RANK_SIDE = ["labkit.metrics", "labkit._entry", "labkit._proc", "labkit._rundir"]
+# Every module a rank imports before the script runs (python -m labkit._entry SCRIPT), and what
+# a torchrun agent runs before it becomes torchrun (python -m labkit._agent ARGS).
+RANK_SIDE = ["labkit.metrics", "labkit._entry", "labkit._proc", "labkit._rundir", "labkit._nodes",
+             "labkit._agent"]
 
 
 def test_the_layout_is_the_one_reference_runs_are_shipped_in(tmp_path):

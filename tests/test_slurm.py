@@ -6,11 +6,9 @@ elsewhere they are skipped with the reason. Every job is checked to leave nothin
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ import pytest
 
 import labkit
 from labkit import LaunchError, LaunchTimeout, _slurm
+from _lab import processes_under
 from conftest import ROOT, execute, python
 
 pytestmark = pytest.mark.slurm
@@ -27,23 +26,9 @@ TINY = ["--synthetic", "--train-size", "256", "--batch-size", "16", "--width", "
         "--log-every", "2", "--workers", "0"]
 
 
-def processes_under(folder: Path) -> list[str]:
-    """Processes (other than this one) whose working folder lies in ``folder``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            cwd = Path(os.readlink(f"/proc/{entry}/cwd"))
-            args = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if cwd.is_relative_to(folder) and args:
-            found.append(f"{entry} {args}")
-    return found
-
-
-def nothing_left(folder: Path, timeout: float = 20.0) -> list[str]:
+def nothing_left(folder: Path, timeout: float = 20.0) -> list[tuple[int, str]]:
+    """What still runs in ``folder`` (a job's steps and tasks run where it was submitted)
+    after up to ``timeout`` seconds: [] when nothing does."""
     deadline = time.monotonic() + timeout
     while (left := processes_under(folder)) and time.monotonic() < deadline:
         time.sleep(0.25)
@@ -97,6 +82,11 @@ def test_usr1_requeues_the_job_and_it_resumes_from_its_checkpoint(slurm_cluster,
         time.sleep(0.2)
     assert job is not None, "the job never reached step 8"
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+    # A requeued job waits for its BeginTime (about two minutes here): let it start at once.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and _slurm.job_state(job)[0] != "PENDING":
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
     worker.join(400)
     run = result["run"]
     out = run.output()
@@ -104,7 +94,7 @@ def test_usr1_requeues_the_job_and_it_resumes_from_its_checkpoint(slurm_cluster,
     assert f"time limit near: requeue job {job}" in out
     assert "resumed from step" in out
     resumed = int(out.split("resumed from step ")[1].split()[0])
-    assert resumed >= 8 and resumed % 4 == 0
+    assert resumed >= 8 and resumed % 2 == 0  # saved at a log step, where the ranks agreed to stop
     steps = run.metrics().dropna(subset=["loss"])
     steps = steps[steps["rank"] == 0]["step"].tolist()
     # Every step up to the checkpoint once, the steps after it again, then on to the end.
@@ -145,9 +135,10 @@ def test_an_interrupt_cancels_the_job(slurm_cluster, write_script, workdir):
     """, cwd=workdir, stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any("sleep 300" in p for p in processes_under(workdir)):
+        sleeping = lambda: [args for _, args in processes_under(workdir) if "sleep 300" in args]  # noqa: E731
+        while time.monotonic() < deadline and not sleeping():
             time.sleep(0.2)
-        assert any("sleep 300" in p for p in processes_under(workdir)), "the job never started"
+        assert sleeping(), "the job never started"
         submitter.send_signal(signal.SIGINT)
         out = submitter.communicate(timeout=60)[0]
         assert submitter.returncode != 0 and "submitted job" in out
@@ -155,17 +146,6 @@ def test_an_interrupt_cancels_the_job(slurm_cluster, write_script, workdir):
         submitter.kill()
         submitter.wait()
     assert not nothing_left(workdir)
-
-
-def test_bad_input_is_refused_before_anything_is_submitted(slurm_cluster, workdir):
-    with pytest.raises(FileNotFoundError, match="batch script 'nope.sbatch' does not exist"):
-        labkit.sbatch("nope.sbatch")
-    Path("job.sbatch").write_text("#!/bin/bash\necho hi\n")
-    with pytest.raises(ValueError, match="nodes must be >= 1, got 0"):
-        labkit.sbatch("job.sbatch", nodes=0)
-    with pytest.raises(TypeError, match="args must be a list of strings"):
-        labkit.sbatch("job.sbatch", args="--epochs 1")
-    assert not (workdir / "runs").exists()
 
 
 @pytest.mark.notebook

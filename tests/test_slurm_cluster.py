@@ -43,6 +43,17 @@ def test_without_slurm_sbatch_refuses_to_submit(monkeypatch, workdir):
     assert not (workdir / "runs").exists()
 
 
+def test_sbatch_refuses_bad_input_before_asking_slurm(workdir):
+    with pytest.raises(FileNotFoundError, match="batch script 'nope.sbatch' does not exist"):
+        _slurm.sbatch("nope.sbatch")
+    (workdir / "job.sbatch").write_text("#!/bin/bash\necho hi\n")
+    with pytest.raises(ValueError, match="nodes must be >= 1, got 0"):
+        _slurm.sbatch("job.sbatch", nodes=0)
+    with pytest.raises(TypeError, match="args must be a list of strings"):
+        _slurm.sbatch("job.sbatch", args="--epochs 1")
+    assert not (workdir / "runs").exists()
+
+
 def test_installed_but_no_controller(monkeypatch, tmp_path):
     """sbatch on PATH, nobody answering: the reason says so (sinfo's own words)."""
     for name in ("sbatch", "sinfo"):
@@ -61,6 +72,18 @@ def test_make_test_slurm_skips_with_its_reason_where_it_cannot_install(monkeypat
     assert capsys.readouterr().out.startswith(
         "skipped: the Slurm tests need slurmctld, munged, which are not installed, and installing needs root")
     assert _slurm_cluster.main(["run"]) == 2
+
+
+def test_make_test_slurm_skips_with_apts_words_when_the_install_fails(monkeypatch, capsys):
+    monkeypatch.setattr(_slurm_cluster, "missing", lambda: ["slurmd"])
+    monkeypatch.setattr(_slurm_cluster, "cannot_install", lambda: None)
+
+    def offline(**kwargs):
+        raise RuntimeError("apt-get update -qq failed with code 100:\nTemporary failure resolving")
+    monkeypatch.setattr(_slurm_cluster, "install", offline)
+    assert _slurm_cluster.main(["run", "--install", "--", "false"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("skipped: the Slurm tests need slurmd, and apt-get update -qq failed with code 100")
 
 
 def test_installing_needs_root(monkeypatch):
@@ -139,3 +162,60 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_jobs_processes_are_found_by_the_variable_they_carry(monkeypatch):
+    """slurmstepd leaves slurmd's process tree: the cluster finds its processes by SLURM_CONF."""
+    from labkit import _proc
+
+    marker = f"SLURM_CONF=/tmp/labkit-test-{os.getpid()}/slurm.conf"
+    monkeypatch.setenv("SLURM_CONF", marker.split("=", 1)[1])  # this process carries it too
+    child = subprocess.Popen(["sleep", "30"], env={"SLURM_CONF": marker.split("=", 1)[1]})
+    try:
+        found = _proc.marked_processes(marker.encode())
+        assert child.pid in found and os.getpid() not in found  # never the caller, nor its parents
+        assert os.getppid() not in found
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in _proc.marked_processes(marker.encode())
+
+
+def _fake_slurm(folder, *, scontrol: str) -> None:
+    """sinfo, sbatch and scontrol stand-ins: one idle node; sbatch writes the job's output file
+    and says job 42; scontrol prints ``scontrol``."""
+    tools = {
+        "sinfo": 'echo "n1 idle"',
+        "sbatch": 'for a in "$@"; do case $a in --output=*) out=${a#--output=};; esac; done\n'
+                  'printf "hello from the job\\n%s\\n" "$LABKIT_RUN_DIR" > "$out"\necho 42',
+        "scontrol": scontrol,
+        "scancel": "exit 0",
+    }
+    for name, body in tools.items():
+        path = folder / name
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+
+
+def test_sbatch_streams_the_jobs_output_and_reads_its_end(monkeypatch, workdir, tmp_path, capsys):
+    _fake_slurm(tmp_path, scontrol='echo "JobId=42 JobState=COMPLETED Reason=None ExitCode=0:0"')
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    (workdir / "job.sbatch").write_text("#!/bin/bash\necho hi\n")
+    run = _slurm.sbatch("job.sbatch", nodes=2, timeout=30)
+    out = capsys.readouterr().out
+    assert "$ sbatch --parsable --nodes=2 --job-name=job --output=" in out
+    assert "[job 42] hello from the job" in out and "✓ job 42: COMPLETED on 2 node(s)" in out
+    assert run.status == "ok" and run.returncode == 0 and run.info["slurm"]["job_id"] == "42"
+    assert run.output().splitlines() == ["hello from the job", str(run.run_dir.resolve())]
+
+
+def test_a_job_slurm_no_longer_knows_is_reported_not_waited_for(monkeypatch, workdir, tmp_path):
+    """scontrol forgets a job some minutes after its end (MinJobAge): the wait must end."""
+    _fake_slurm(tmp_path, scontrol="exit 1")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(_slurm, "_FORGOTTEN_S", 0.5)
+    (workdir / "job.sbatch").write_text("#!/bin/bash\necho hi\n")
+    from labkit import LaunchError
+
+    with pytest.raises(LaunchError, match=r"Slurm job 42 ended UNKNOWN"):
+        _slurm.sbatch("job.sbatch", nodes=1, timeout=30, quiet=True)

@@ -26,9 +26,9 @@ def _metrics(feedback: Feedback, run, needed: list[str]):
     if missing:
         feedback.stop(f"the script never logged {', '.join(missing)}: keep the skeleton's "
                       f"metrics.log(...) lines as they are.")
-    silent = sorted(set(range(run.nproc)) - set(df["rank"]))
+    silent = sorted(set(range(run.world_size)) - set(df["rank"]))  # every rank of every node
     if silent:
-        feedback.stop(f"{_on(silent, run.nproc)} logged nothing: did it stop early?")
+        feedback.stop(f"{_on(silent, run.world_size)} logged nothing: did it stop early?")
     return df
 
 

@@ -13,7 +13,7 @@ class Config:
     synthetic: bool = False      # the synthetic set instead of CIFAR-10
     train_size: int = 0          # use the first N training images (0: all of them)
     width: int = 32              # channels of the model's first block
-    # optimisation
+    # training
     epochs: int = 2
     batch_size: int = 64         # per rank and micro-step
     accum_steps: int = 1         # micro-steps per optimizer step
@@ -21,7 +21,7 @@ class Config:
     seed: int = 0
     amp: bool = True             # bf16 autocast, on CPU and GPU alike
     # bookkeeping
-    out_dir: str = "out/08"      # each rank's log and the checkpoints
+    out_dir: str = "runs/08"     # each rank's log and the checkpoints
     log_every: int = 5           # optimizer steps between metrics lines
     ckpt_every: int = 20         # optimizer steps between checkpoints
     resume: bool = True          # continue from the newest checkpoint in out_dir

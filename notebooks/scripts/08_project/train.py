@@ -92,7 +92,8 @@ def train(cfg: Config, rt: Runtime) -> None:
         log.info("%s; global batch %d", data.description,
                  cfg.batch_size * cfg.accum_steps * rt.world_size)
     metrics.log(0, group_rank=rt.group_rank, local_rank=rt.local_rank,  # where each rank ran
-                local_world_size=rt.local_world_size, host=socket.gethostname(), pid=os.getpid())
+                local_world_size=rt.local_world_size, host=socket.gethostname(), pid=os.getpid(),
+                master=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
     steps_per_epoch = len(loader) // cfg.accum_steps
     step, epoch = load(cfg, rt, model, optimizer)
     if step:
