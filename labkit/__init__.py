@@ -12,6 +12,9 @@ Notebook side (see each name's docstring)::
     labkit.compare_losses(run, reference, epoch_tol=0.05).check()   # trained alike?
     labkit.launch("scripts/08_project/train.py", nproc=1, nnodes=2)   # two nodes, one machine
     labkit.sbatch("scripts/08_job.sbatch", nodes=2)                    # where Slurm answers
+    labkit.launch(script, nproc=2, hang_timeout=5, events=[labkit.py_spy_dump()])   # a hang
+    labkit.launch(script, nproc=1, nnodes=2, min_nodes=1, max_restarts=3,          # elastic
+                  events=[labkit.kill_node(1, at_step=12), labkit.add_node(at_step=24)])
 
 Exercises (``exercises/``)::
 
@@ -75,6 +78,15 @@ _LAZY = {
     "sbatch": "labkit._slurm",
     "slurm_status": "labkit._slurm",
     "SlurmStatus": "labkit._slurm",
+    # lesson 09: hangs and elastic training
+    "py_spy_dump": "labkit._hang",
+    "dump_stack": "labkit._hang",
+    "flight_records": "labkit._flight",
+    "kill_node": "labkit._elastic",
+    "add_node": "labkit._elastic",
+    "elastic_rounds": "labkit._elastic",
+    "elastic_losses": "labkit._elastic",
+    "plot_elastic": "labkit._elastic",
 }
 _SUBMODULES = {"metrics", "data", "models", "checkpoint", "memory", "exercises", "syncbn", "comm"}
 

@@ -154,6 +154,13 @@ def failure_hint(failures) -> str:
         return f"rank {mismatch.rank}'s output says the ranks' collectives did not match: {MISMATCH_ADVICE}"
     if first.exc_type == "SystemExit":
         return "the script exited on purpose; its last output (above) says why."
+    if first.exc_type and others and all(f.secondary for f in failures):
+        # Every rank gave up waiting (a collective's timeout): where each waited says more than
+        # the message they share.
+        places = {f.rank: waiting_place(f.traceback) for f in failures}
+        places = {rank: where for rank, where in places.items() if where}
+        if len(set(places.values())) > 1:
+            return timeout_hint(places, verb="waited")
     if first.exc_type and others and all(_same_error(first, o) for o in others):
         return (f"every rank that failed raised the same error, so its cause is in code they all run: "
                 f"read rank {first.rank}'s traceback above. A rank's whole output: err.run.output(rank).")
@@ -191,14 +198,27 @@ def failure_hint(failures) -> str:
             f"otherwise it was stopped from outside.")
 
 
-def timeout_hint(stacks: dict) -> str:
+_TB_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$', re.MULTILINE)
+
+
+def waiting_place(traceback: str) -> str:
+    """'scripts/x.py:29 in train_step, inside all_reduce' from a traceback: the script's
+    innermost frame and the library call it was in ("" if the traceback has no such frames)."""
+    frames = [m.groupdict() for m in _TB_FRAME.finditer(traceback or "")]
+    mine = [f for f in frames if "site-packages" not in f["file"] and not f["file"].startswith("<")]
+    if not frames or not mine or frames[-1] is mine[-1]:
+        return ""
+    return f"{mine[-1]['file']}:{mine[-1]['line']} in {mine[-1]['func'].strip()}, inside {frames[-1]['func'].strip()}"
+
+
+def timeout_hint(stacks: dict, *, verb: str = "wait") -> str:
     """The HINT of a LaunchTimeout, from where each rank was (``{rank: "x.py:7 in f, inside
     all_reduce (...)"}``): ranks waiting in different collectives get the mismatch advice."""
     waiting = {rank: where for rank, where in stacks.items() if ", inside " in where}
     if len(set(waiting.values())) > 1:
         places = "; ".join(f"rank {rank} at {where.split(' (')[0]}"
                            for rank, where in sorted(waiting.items()))
-        return f"the ranks wait in different places ({places}): {MISMATCH_ADVICE}"
+        return f"the ranks {verb} in different places ({places}): {MISMATCH_ADVICE}"
     return ("a rank that logged fewer steps than the others, or waits in a collective the "
             "others never reach, is the one to read first.")
 

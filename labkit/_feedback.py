@@ -264,8 +264,9 @@ def attempt(exercise: str | Feedback, target, **launch_options):
         return _stopped(feedback, before)
     except LaunchTimeout as err:
         where = "; ".join(f"rank {r} at {s}" for r, s in sorted(err.stacks.items()))
-        feedback.fail(f"the run did not finish within {err.run.info.get('timeout')} s"
-                      + (f": {where}" if where else "") + f". {_sentence(err.hint)}")
+        waited = (f"hung: no rank said anything for {err.run.info['hang_timeout']:g} s"
+                  if err.run.info.get("hung") else f"did not finish within {err.run.info.get('timeout')} s")
+        feedback.fail(f"the run {waited}" + (f": {where}" if where else "") + f". {_sentence(err.hint)}")
         feedback.run = err.run
         return _stopped(feedback, before)
     except LaunchError as err:

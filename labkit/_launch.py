@@ -13,7 +13,7 @@ import uuid
 from importlib import metadata
 from pathlib import Path
 
-from labkit import _hardware, _nodes, _proc, _rundir, _supervise
+from labkit import _elastic, _events, _hardware, _nodes, _proc, _rundir, _supervise
 from labkit._errors import LaunchError, LaunchTimeout, failure_hint, hide_labkit_frames, timeout_hint
 from labkit._live import LiveView
 from labkit._plan import Plan, check_env, plan, refuse_keywords
@@ -40,11 +40,11 @@ def torchrun_argv(p: Plan, run_dir: Path, run_id: str, *, node: int = 0,
         rendezvous = ["--rdzv-endpoint=127.0.0.1:0"]
         log_dir = _rundir.torchrun_dir(run_dir)
     else:
-        rendezvous = [f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-conf=is_host={int(node == 0)}"]
+        rendezvous = [f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-conf={_elastic.rdzv_conf(p, node)}"]
         log_dir = _rundir.node_dir(run_dir, node)
     return [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={p.nnodes}", f"--nproc-per-node={p.nproc}",
+        f"--nnodes={_elastic.nnodes_spec(p)}", f"--nproc-per-node={p.nproc}",
         "--rdzv-backend=c10d", *rendezvous, f"--rdzv-id={run_id}",
         "--local-addr=127.0.0.1",  # the address ranks are told to meet at: loopback too
         f"--max-restarts={p.max_restarts}",
@@ -80,12 +80,14 @@ def rank_env(p: Plan, run_dir: Path, extra: dict | None) -> dict:
     loopback = _hardware.loopback_interface()
     if loopback and "GLOO_SOCKET_IFNAME" not in env:
         env["GLOO_SOCKET_IFNAME"] = loopback  # single machine: gloo talks over loopback only
-    if p.max_restarts > 0:
+    if p.max_restarts > 0 or _elastic.is_elastic(p):
         # torchrun keeps one TCPStore for every rendezvous round, and nothing in it is
         # prefixed by attempt: a restarted rank then reads the gloo addresses of the
-        # attempt that failed and hangs or is refused. A fresh store per attempt
-        # (hosted by the new rank 0) avoids it.
+        # attempt that failed and hangs or is refused, and a node that joins waits 60 s for
+        # keys that never come. A fresh store per attempt (hosted by the new rank 0) avoids it.
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # A flight-recorder dump (NCCL's on a timeout, or one a script writes) lands in the run folder.
+    env.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(_rundir.flight_prefix(run_dir.resolve())))
     if p.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     if env.get("MPLBACKEND", "").startswith("module://"):
@@ -141,7 +143,8 @@ def _git_commit() -> str | None:
 @refuse_keywords(nprocs="launch() takes nproc=<int> (one launch); for several world sizes use "
                         "labkit.sweep(script, nprocs=[1, 2, ...]).")
 def launch(script, *, nproc=None, nnodes=1, args=(), timeout=600, max_restarts=0, device="auto",
-           name=None, threads_per_rank=None, env=None, runs_dir="runs", quiet=False) -> Run:
+           name=None, threads_per_rank=None, env=None, runs_dir="runs", quiet=False,
+           min_nodes=None, hang_timeout=None, events=()) -> Run:
     """Run ``script`` on ``nproc`` ranks with torchrun; stream every rank's output here.
 
     Args:
@@ -161,6 +164,13 @@ def launch(script, *, nproc=None, nnodes=1, args=(), timeout=600, max_restarts=0
             Values are strings (a number is written as one); None is refused, not taken as "unset".
         runs_dir: where run folders go.
         quiet: do not print rank output or draw the live chart (sweeps use it).
+        min_nodes: the fewest nodes an elastic job runs on (torchrun's ``--nnodes=MIN:MAX``
+            with MAX = ``nnodes``): nodes may then leave and join while it trains (lesson 09).
+        hang_timeout: seconds in which no rank printed a line or logged metrics, once one had,
+            after which the run is taken as hung and stopped like a timeout (None: never).
+            Unlike ``timeout`` it does not count start-up, so it can be short.
+        events: things to do while the run runs, each when it reaches a given point:
+            ``labkit.kill_node``, ``labkit.add_node``, ``labkit.py_spy_dump`` (lesson 09).
 
     Returns:
         the finished Run.
@@ -171,16 +181,18 @@ def launch(script, *, nproc=None, nnodes=1, args=(), timeout=600, max_restarts=0
             file or does not compile, a bad nproc or nnodes (more than 4 CPU ranks per core,
             too), ...
         LaunchError: a rank failed (root cause first, with its traceback).
-        LaunchTimeout: the run passed ``timeout``; says where each rank was.
+        LaunchTimeout: the run passed ``timeout`` or ``hang_timeout``; says where each rank was.
         KeyboardInterrupt: you interrupted it; every rank has been stopped, and one line said
             how many and where the run folder is.
 
-    Example (lesson 02; lesson 08 adds ``nnodes=2``)::
+    Example (lesson 02; lesson 08 adds ``nnodes=2``, lesson 09 ``min_nodes`` and ``events``)::
 
         run = labkit.launch("scripts/02_ddp.py", nproc=2, args=["--epochs", "2"])
     """
     p = plan(script, nproc=nproc, args=args, timeout=timeout, max_restarts=max_restarts,
-             device=device, threads_per_rank=threads_per_rank, nnodes=nnodes)
+             device=device, threads_per_rank=threads_per_rank, nnodes=nnodes,
+             min_nodes=min_nodes, hang_timeout=hang_timeout)
+    events = _events.check_events(events, p)
     env = check_env(env)
     name = safe_name(name, p.script, p.world_size)
     run_dir = _rundir.create(runs_dir, name)
@@ -198,7 +210,8 @@ def launch(script, *, nproc=None, nnodes=1, args=(), timeout=600, max_restarts=0
         "nnodes": p.nnodes, "world_size": p.world_size,
         "device": p.device, "backend": "nccl" if p.device == "cuda" else "gloo",
         "threads_per_rank": p.threads_per_rank, "max_restarts": p.max_restarts,
-        "timeout": p.timeout, "run_id": run_id, "command": shlex.join(argvs[0]), "argv": argvs[0],
+        "timeout": p.timeout, "hang_timeout": p.hang_timeout, "min_nodes": p.min_nodes,
+        "run_id": run_id, "command": shlex.join(argvs[0]), "argv": argvs[0],
         "cwd": os.getcwd(), "smoke": _hardware.is_smoke(),
         "env": {k: rank_environment[k] for k in sorted(rank_environment)
                 if k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "GLOO_SOCKET_IFNAME",
@@ -216,10 +229,28 @@ def launch(script, *, nproc=None, nnodes=1, args=(), timeout=600, max_restarts=0
     logs = [_rundir.agent_log(run_dir, k, p.nnodes) for k in range(p.nnodes)]
     start = time.monotonic()
     run.info["start_time"] = time.time()
-    agents = _start_agents(argvs, [node_env(rank_environment, p, k) for k in range(p.nnodes)], logs)
+    agent_class = _elastic.ElasticAgents if _elastic.is_elastic(p) or events else _nodes.Agents
+    agents = _start_agents(argvs, [node_env(rank_environment, p, k) for k in range(p.nnodes)], logs,
+                           agent_class)
     run.info["torchrun_pid"] = agents.pids[0]
     run.info["agent_pids"] = agents.pids
     run.save_info()
+
+    def start_agent() -> int:
+        """An elastic run's node that joins: one more agent at the same rendezvous."""
+        node = len(agents.procs)
+        argv = torchrun_argv(p, run_dir, run_id, node=node, port=port)
+        agent_env = _elastic.joiner_env(node_env(rank_environment, p, node), p, agents)
+        agents.add(argv, agent_env, _rundir.agent_log(run_dir, node, p.nnodes))
+        streams.follow_agent(node)
+        run.info["commands"].append(shlex.join(argv))
+        run.info["agent_pids"] = agents.pids
+        run.save_info()
+        return node
+
+    progress = _events.Progress(run_dir)
+    context = _events.Context(run_dir, emit, agents, streams, start_agent, {"script": p.script})
+    driver = _events.Driver(events, context, progress, run.info)
     status, stacks, retries = "running", {}, 0
     try:
         deadline = None if p.timeout is None else start + p.timeout
@@ -233,14 +264,17 @@ def launch(script, *, nproc=None, nnodes=1, args=(), timeout=600, max_restarts=0
                 argvs = [torchrun_argv(p, run_dir, run_id, node=k, port=port) for k in range(p.nnodes)]
                 run.info.update(command=shlex.join(argvs[0]), argv=argvs[0],
                                 commands=[shlex.join(argv) for argv in argvs])
-                agents = _start_agents(argvs, agents.envs, logs)
+                agents = context.agents = _start_agents(argvs, agents.envs, logs, agent_class)
                 run.info["torchrun_pid"], run.info["agent_pids"] = agents.pids[0], agents.pids
                 run.save_info()
                 continue
             streams.poll()
             live.update()
-            if deadline is not None and time.monotonic() > deadline:
+            driver.poll()
+            hung = p.hang_timeout is not None and (progress.update().quiet_s or 0) > p.hang_timeout
+            if hung or (deadline is not None and time.monotonic() > deadline):
                 status = "timeout"
+                run.info["hung"] = hung
                 streams.hold(p.script)  # the cell shows a few lines of each rank's stack dump
                 marks = _supervise.request_stacks(run_dir, streams)
                 time.sleep(1.0)  # let faulthandler write the stacks
@@ -270,13 +304,15 @@ def launch(script, *, nproc=None, nnodes=1, args=(), timeout=600, max_restarts=0
         if p.nnodes > 1:
             run.info["returncodes"] = [proc.returncode for proc in agents.procs]
             run.info["layout"] = streams.layout_summary()
+        if status != "interrupted":
+            driver.finish()
         run.save_info()
         live.finish(status)
     return _conclude(run, streams, stacks, emit)
 
 
-def _start_agents(argvs, envs, logs) -> _nodes.Agents:
-    agents = _nodes.Agents(argvs, envs, logs)
+def _start_agents(argvs, envs, logs, agent_class=_nodes.Agents) -> _nodes.Agents:
+    agents = agent_class(argvs, envs, logs)
     agents.start()
     return agents
 
@@ -307,8 +343,13 @@ def _conclude(run: Run, streams, stacks: dict, emit) -> Run:
             last_steps.update(df.groupby("rank")["step"].max().to_dict())
         except Exception:  # noqa: BLE001 - no metrics is a fine answer here
             pass
+        if run.info.get("hung"):
+            summary = (f"run '{run.name}': no rank printed or logged anything for "
+                       f"{run.info['hang_timeout']:g} s (hang_timeout), so it was stopped as hung.")
+        else:
+            summary = f"run '{run.name}' passed its timeout of {run.info['timeout']} s and was stopped."
         raise LaunchTimeout(
-            f"run '{run.name}' passed its timeout of {run.info['timeout']} s and was stopped.",
+            summary,
             last_steps=last_steps, stacks=stacks, run=run, hint=timeout_hint(stacks),
         )
     failures, restarts = _supervise.collect_failures(run.run_dir, streams)
@@ -321,7 +362,8 @@ def _conclude(run: Run, streams, stacks: dict, emit) -> Run:
     if failures:
         hint = failure_hint(failures)
     else:
-        logs = " and ".join(str(_rundir.agent_log(run.run_dir, k, run.nnodes)) for k in range(run.nnodes))
+        agents = len(run.info.get("agent_pids") or [None] * run.nnodes)  # with nodes that joined
+        logs = " and ".join(str(_rundir.agent_log(run.run_dir, k, run.nnodes)) for k in range(agents))
         hint = f"no rank recorded an error; torchrun's own log is {logs}."
     restarted = f" after {restarts} restart(s)" if restarts else ""
     raise LaunchError(

@@ -82,13 +82,21 @@ class Agents:
         self.argvs, self.envs, self.logs = argvs, envs, logs
         self.procs: list[subprocess.Popen] = []
         self.failed_at: float | None = None
+        self.killed: set[int] = set()  # nodes killed on purpose (lesson 09's drill): no failure
+
+    def _kept(self) -> list[subprocess.Popen]:
+        return [p for node, p in enumerate(self.procs) if node not in self.killed]
 
     def start(self) -> None:
         for argv, env, log_path in zip(self.argvs, self.envs, self.logs):
-            with open(log_path, "ab") as log:  # each agent dies with the kernel (labkit._agent)
-                self.procs.append(subprocess.Popen(
-                    _agent.command(argv), stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            self.procs.append(self._spawn(argv, env, log_path))
+
+    @staticmethod
+    def _spawn(argv: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+        """One agent, in a session of its own, its output appended to ``log_path``."""
+        with open(log_path, "ab") as log:  # each agent dies with the kernel (labkit._agent)
+            return subprocess.Popen(_agent.command(argv), stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     @property
     def pids(self) -> list[int]:
@@ -96,7 +104,7 @@ class Agents:
 
     def running(self) -> bool:
         """False once every agent has exited, or one failed and the others had their grace."""
-        codes = [p.poll() for p in self.procs]
+        codes = [p.poll() for p in self._kept()]
         if all(code is not None for code in codes):
             return False
         if any(code not in (None, 0) for code in codes):
@@ -108,8 +116,9 @@ class Agents:
     @property
     def returncode(self) -> int | None:
         """The first non-zero exit code in node order, 0 if every agent succeeded, None while
-        some agent still runs and none failed. An agent stopped by the launcher counts."""
-        codes = [p.poll() for p in self.procs]
+        some agent still runs and none failed. An agent stopped by the launcher counts; one killed
+        on purpose does not."""
+        codes = [p.poll() for p in self._kept()]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
             return failed[0]

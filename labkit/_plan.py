@@ -32,6 +32,8 @@ class Plan:
     timeout: float | None
     max_restarts: int
     nnodes: int = 1      # torchrun agents, one per "node", all on this machine
+    min_nodes: int | None = None    # elastic: the fewest nodes the job runs on (--nnodes=MIN:MAX)
+    hang_timeout: float | None = None   # stop a run in which no rank printed or logged for this long
 
     @property
     def world_size(self) -> int:
@@ -187,7 +189,7 @@ def check_nnodes(nnodes) -> int:
     if isinstance(nnodes, str):
         raise TypeError(
             f"nnodes must be an int, e.g. nnodes=2, got the string {nnodes!r}. HINT: torchrun's "
-            f"elastic form '--nnodes=MIN:MAX' is not a launch option; pass the number of nodes.")
+            f"elastic form '--nnodes=MIN:MAX' is nnodes=MAX, min_nodes=MIN.")
     return _check_int("nnodes", nnodes, 1)
 
 
@@ -204,15 +206,15 @@ def check_args(args) -> tuple:
     return tuple(out)
 
 
-def check_timeout(timeout) -> float | None:
+def check_timeout(timeout, *, name: str = "timeout") -> float | None:
     """A positive, finite number of seconds, or None (no limit)."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {timeout!r}")
     if math.isinf(timeout):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}. "
-                         f"HINT: timeout=None means no limit.")
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {timeout!r}. "
+                         f"HINT: {name}=None means no limit.")
     return timeout
 
 
@@ -255,9 +257,12 @@ def refuse_keywords(**messages):
 
 
 def plan(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="auto",
-         threads_per_rank=None, nnodes=1) -> Plan:
+         threads_per_rank=None, nnodes=1, min_nodes=None, hang_timeout=None) -> Plan:
     """Check every argument of a launch; raise before anything starts."""
+    from labkit._elastic import check_min_nodes
+
     nnodes = check_nnodes(nnodes)
+    min_nodes = check_min_nodes(min_nodes, nnodes)
     kind = resolve_device(device)
     if nproc is None:
         nproc = default_nproc(device)
@@ -265,9 +270,10 @@ def plan(script, *, nproc=None, args=(), timeout=600, max_restarts=0, device="au
             nproc = max(1, nproc // nnodes) if kind == "cuda" else 1
     check_nproc(nproc, kind, nnodes)
     timeout = check_timeout(timeout)
+    hang_timeout = check_timeout(hang_timeout, name="hang_timeout")
     _check_int("max_restarts", max_restarts, 0)
     if threads_per_rank is None:
         threads_per_rank = max(1, _hardware.cpu_count() // (nproc * nnodes))
     _check_int("threads_per_rank", threads_per_rank, 1)
     return Plan(check_script(script), nproc, kind, threads_per_rank, check_args(args),
-                timeout, max_restarts, nnodes)
+                timeout, max_restarts, nnodes, min_nodes, hang_timeout)

@@ -9,6 +9,7 @@ A launch writes everything about itself under ``runs/<timestamp>-<name>/``::
     pids/rank<R>.json                     rank R's pid, so the launcher can stop it (latest attempt)
     errors/rank<R>-restart<N>.json        rank R's uncaught exception in attempt N
     torchrun/<id>/attempt_<N>/<R>/stdout.log   what rank R printed in attempt N (torchrun --log-dir)
+    flight_rank<R>                        rank R's flight-recorder dump, if it wrote one (lesson 09)
 
 With several nodes (``launch(nnodes=N)``) agent k writes ``torchrun-node<k>.log``, its ranks'
 logs go to ``torchrun/node<k>/<id>/attempt_<N>/<local rank>/stdout.log``, and
@@ -50,6 +51,9 @@ SUBFOLDERS = (METRICS, PIDS, ERRORS, TORCHRUN)
 LAYOUT_FILE = "layout.jsonl"
 #: A Slurm job's output file.
 SLURM_OUTPUT = "slurm.out"
+#: What labkit sets PyTorch's TORCH_FR_DUMP_TEMP_FILE to, in the run folder: a rank's
+#: flight-recorder dump is this prefix followed by its rank.
+FLIGHT_PREFIX = "flight_rank"
 
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
 _NODE_LOG = re.compile(r"node(\d+)[/\\][^/\\]+[/\\]attempt_(\d+)[/\\](\d+)[/\\]stdout\.log$")
@@ -123,6 +127,21 @@ def error_file(run_dir: str | os.PathLike, rank: int, restart: int) -> Path:
 
 def error_files(run_dir: str | os.PathLike) -> list[Path]:
     return sorted(Path(run_dir, ERRORS).glob("rank*-restart*.json"))
+
+
+def flight_prefix(run_dir: str | os.PathLike) -> Path:
+    """TORCH_FR_DUMP_TEMP_FILE for a run: each rank's dump is this path followed by its rank."""
+    return Path(run_dir, FLIGHT_PREFIX)
+
+
+def flight_files(run_dir: str | os.PathLike) -> dict[int, Path]:
+    """{rank: its flight-recorder dump} of the dumps in the run folder."""
+    found = {}
+    for path in Path(run_dir).glob(FLIGHT_PREFIX + "*"):
+        suffix = path.name[len(FLIGHT_PREFIX):]
+        if suffix.isdigit():
+            found[int(suffix)] = path
+    return dict(sorted(found.items()))
 
 
 def torchrun_dir(run_dir: str | os.PathLike) -> Path:

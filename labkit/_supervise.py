@@ -54,6 +54,7 @@ class Streams:
         self._torchrun = [_LineTail(_rundir.agent_log(self.run_dir, k, nnodes)) for k in range(nnodes)]
         self._torchrun_quiet = [False] * nnodes
         self.node_of: dict[int, int] = {}  # rank -> node, several nodes only
+        self._node_of_path: dict[str, int] = {}  # log -> its node (an elastic run's nodes restart apart)
         self._layout: dict[tuple[int, int, int], dict] = {}
         self._attempts: set[int] = {0}
         self.recent: dict[int, deque] = {}
@@ -83,7 +84,16 @@ class Streams:
                 continue  # its entry point has not said yet which rank it is
             rank = rec["rank"] if rec else -1 - node * 1000 - local  # unknown: never a real rank
             self.node_of[rank] = node
+            self._node_of_path[path] = node
             self._tails[path] = (rank, attempt, _LineTail(path))
+
+    def follow_agent(self, node: int) -> None:
+        """Also follow agent ``node``'s own log: a node that joins an elastic run later."""
+        while len(self._torchrun) <= node:
+            k = len(self._torchrun)
+            self._torchrun.append(_LineTail(_rundir.agent_log(self.run_dir, k, self.nnodes)))
+            self._torchrun_quiet.append(False)
+        self.nnodes = max(self.nnodes, node + 1)
 
     def layout_summary(self) -> dict:
         """{rank: {"node", "local_rank", "group_rank", "pid"}} of the latest attempt, for run.json."""
@@ -97,12 +107,18 @@ class Streams:
         drained completely (its unfinished last line too) before the next one's lines."""
         self._discover(final)
         attempts = sorted({attempt for _, attempt, _ in self._tails.values()})
+        newest: dict[int, int] = {}  # node -> its latest attempt (one node: node 0)
+        for path, (_, attempt, _) in self._tails.items():
+            node = self._node_of_path.get(path, 0)
+            newest[node] = max(newest.get(node, 0), attempt)
         for attempt in attempts:
             if attempt not in self._attempts:
                 self._attempts.add(attempt)
                 self.emit(f"── torchrun restarted the workers (restart {attempt}) ──")
-            done = final or attempt < attempts[-1]
-            for rank, _, tail in sorted(t for t in self._tails.values() if t[1] == attempt):
+            logs = sorted(((path, t) for path, t in self._tails.items() if t[1] == attempt),
+                          key=lambda item: item[1][0])  # two nodes may share (rank, attempt)
+            for path, (rank, _, tail) in logs:
+                done = final or attempt < newest[self._node_of_path.get(path, 0)]
                 for line in tail.new_lines():
                     self._line(rank, line)
                 rest = tail.rest() if done else ""
@@ -305,6 +321,22 @@ def read_stacks(marks: dict[int, tuple[str, int]], script: str) -> dict[int, str
 
 
 # -- what failed -----------------------------------------------------------------------
+def _newest_pids(run_dir: Path) -> set[int]:
+    """The pid of each rank's newest process, from the layout file (empty for one node)."""
+    newest: dict[int, int] = {}
+    try:
+        lines = _rundir.layout_file(run_dir).read_text().splitlines()
+    except OSError:
+        return set()
+    for line in lines:
+        try:
+            rec = json.loads(line)
+            newest[int(rec["rank"])] = int(rec["pid"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return set(newest.values())
+
+
 def collect_failures(run_dir: Path, streams: Streams) -> tuple[list[RankFailure], int]:
     """The failures of the last attempt, root cause first, and how many restarts happened."""
     records = []
@@ -321,9 +353,13 @@ def collect_failures(run_dir: Path, streams: Streams) -> tuple[list[RankFailure]
             signalled.update({int(rank): int(code) for code, rank in _TORCHRUN_FAILED_RE.findall(text)})
         signalled.update({int(rank): int(code) for rank, code in _TORCHRUN_SUMMARY_RE.findall(text)})
     last_restart = max([r["restart"] for r in records] + [max(streams._attempts)])
+    # Several nodes: each rank's newest process, from the layout file. An elastic run's nodes
+    # count their restarts apart (a node that joined late is at restart 0), so the restart
+    # number alone cannot say which records are the last round's.
+    newest = _newest_pids(run_dir)
     failures = []
     for rec in records:
-        if rec["restart"] != last_restart:
+        if (rec.get("pid") not in newest) if newest else rec["restart"] != last_restart:
             continue
         rank = rec["rank"]
         failures.append(RankFailure(

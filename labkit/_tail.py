@@ -21,6 +21,10 @@ class LineTail:
     def new_lines(self) -> list[str]:
         try:
             with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self._offset:
+                    # Written again from the start: torchrun reuses an attempt's log file when
+                    # an elastic run's workers restart because a node joined (same restart count).
+                    self._offset, self._partial = 0, b""
                 f.seek(self._offset)
                 chunk = f.read()
         except FileNotFoundError:

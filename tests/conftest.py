@@ -46,6 +46,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The Slurm cluster the tests submit to: the one SLURM_CONF names (``make test-slurm``
+    starts a one-host cluster and sets it), or the machine's own. Tests that use it are marked
+    ``slurm`` and skipped, with the reason, where none answers."""
+    from labkit._slurm import slurm_status
+    status = slurm_status()
+    if not status:
+        pytest.skip(f"{status.reason}; make test-slurm runs this")
+    return status
+
+
 def pytest_report_header(config):
     """In a workshop's hand-out, say what it leaves out: its skipped tests are then no surprise."""
     if (ROOT / "solutions").is_dir():

@@ -132,3 +132,19 @@ def test_an_interrupt_shows_no_labkit_frame_in_ipython():
                            .replace("ERROR", "KeyboardInterrupt()"))
     assert "KeyboardInterrupt" in shown and "Cell In[1]" in shown and "in stop" in shown
     assert "_plan.py" not in shown and "hidden" not in shown, shown
+
+
+def test_ranks_that_timed_out_in_different_collectives_get_the_mismatch_hint():
+    """Every rank raised the same timeout; where each waited is what tells the story."""
+    def waited(rank, line, call):
+        return RankFailure(
+            rank=rank, exit_code=1, exc_type="RuntimeError", secondary=True, output_tail="", time=None,
+            message="[gloo/unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation",
+            traceback=(f'Traceback (most recent call last):\n  File "x.py", line {line}, in <module>\n'
+                       f'    dist.{call}()\n  File "/venv/lib/python3.11/site-packages/torch/distributed/'
+                       f'distributed_c10d.py", line 3913, in {call}\n    work.wait()\nRuntimeError: x\n'))
+    hint = failure_hint([waited(0, 29, "all_reduce"), waited(1, 40, "barrier")])
+    assert hint.startswith("the ranks waited in different places (rank 0 at x.py:29 in <module>, inside "
+                           "all_reduce; rank 1 at x.py:40 in <module>, inside barrier): every rank must")
+    same = failure_hint([waited(0, 29, "all_reduce"), waited(1, 29, "all_reduce")])
+    assert not same.startswith("the ranks waited")
