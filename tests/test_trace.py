@@ -180,3 +180,37 @@ def test_bytes_counted_from_real_traces_tell_compression_apart(tmp_path):
     assert sent["bf16"] == {param_bytes / 2}              # the lesson's check: halved...
     assert sent["allreduce"] == {param_bytes}             # ...which a hook that does not compress fails
     assert not 2 * min(sent["allreduce"]) == param_bytes
+
+
+# -- what lesson 07 says of PyTorch's own hooks, checked on this PyTorch -----------------
+def _batched_powersgd_steps(rank: int, world_size: int) -> dict:
+    """Train a small DDP model with batched_powerSGD_hook; where does it stop, and why?"""
+    import traceback
+
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    model.register_comm_hook(state, powerSGD_hook.batched_powerSGD_hook)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for step in range(4):
+        try:
+            F.cross_entropy(model(x), y).backward()
+        except Exception as err:  # noqa: BLE001 - the failure is what the test looks at
+            return {"step": step, "error": type(err).__name__, "traceback": traceback.format_exc()}
+    return {"step": None}
+
+
+@pytest.mark.launch
+def test_batched_powersgd_fails_at_its_first_compressed_step_in_this_pytorch():
+    """Lesson 07 says batched_powerSGD_hook fails in PyTorch 2.14.1 and uses powerSGD_hook. When a
+    PyTorch fixes it, this test fails: then the lesson's note should go."""
+    from _ranks import run_ranks
+
+    for result in run_ranks(2, _batched_powersgd_steps):
+        assert result["step"] == 2, result           # 2 exact warm-up steps pass; the first compressed one fails
+        assert result["error"] == "AssertionError" and "_orthogonalize" in result["traceback"], result

@@ -66,7 +66,7 @@ torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadc
 # No random crops or flips: we compare runs at different world sizes, and each would draw
 # its own for the same image. Lesson 01 trains with them; here the batches must match.
 data = get_datasets(args.data_dir, synthetic=args.synthetic, train_size=args.train_size,
-                    seed=args.seed, augment=False)
+                    test_size=1, seed=args.seed, augment=False)  # no test here: one image
 if master:
     print(data.description)
     print(f"per-rank batch {args.batch_size} × {world_size} rank(s) = "
