@@ -196,8 +196,10 @@ def plot_timeline(events, *, lanes=None, ax=None, title: str | None = None, lege
 
     Args:
         events: rows of ``read_trace`` (``lane``, ``start_ms``, ``end_ms``, ``name``), already
-            chosen: a step's phases and its all-reduces, say. A ``label`` column, where present,
-            names each bar (and picks its colour) instead of ``name``.
+            chosen: a step's phases and its all-reduces, say; or any table with those columns
+            (a pipeline's schedule, one lane per stage). A ``label`` column, where present,
+            names each bar (and picks its colour) instead of ``name``; a ``text`` column, where
+            present, is what a bar wide enough shows written in it (the label otherwise).
         lanes: the rows to draw, top to bottom, and what to call them: a list of lane names,
             or a dict {lane: shown name}. Default: every lane, in order of first appearance.
         ax: the axes to draw on (a new figure if None).
@@ -231,6 +233,7 @@ def plot_timeline(events, *, lanes=None, ax=None, title: str | None = None, lege
     if unknown:
         raise ValueError(f"events on lanes {unknown} that lanes= leaves out; lanes given: {list(names)}")
     labels = events["label"].fillna(events["name"]) if "label" in events.columns else events["name"]
+    texts = events["text"].fillna(labels) if "text" in events.columns else labels
     palette = plt.get_cmap("tab10").colors
     colour = {label: palette[i % len(palette)] for i, label in enumerate(dict.fromkeys(labels))}
     origin = float(events["start_ms"].min())
@@ -238,13 +241,13 @@ def plot_timeline(events, *, lanes=None, ax=None, title: str | None = None, lege
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.7 + 0.55 * len(names)))
     rows = {lane: len(names) - 1 - i for i, lane in enumerate(names)}
-    for (_, event), label in zip(events.iterrows(), labels):
+    for (_, event), label, text in zip(events.iterrows(), labels, texts):
         start, width = float(event["start_ms"]) - origin, float(event["end_ms"] - event["start_ms"])
         y = rows[event["lane"]]
         ax.broken_barh([(start, max(width, span / 2000))], (y - 0.38, 0.76), color=colour[label],
                        alpha=0.85, edgecolor="white", linewidth=0.3)
         if width > span / 12:
-            ax.text(start + width / 2, y, str(label), ha="center", va="center", fontsize=7,
+            ax.text(start + width / 2, y, str(text), ha="center", va="center", fontsize=7,
                     clip_on=True)
     ax.set_yticks(list(rows.values()), [names[lane] for lane in rows])
     ax.set_ylim(-0.6, len(names) - 0.4)

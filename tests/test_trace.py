@@ -119,6 +119,16 @@ def test_plot_timeline_draws_one_row_per_lane(tmp_path):
     assert {t.get_text() for t in ax.get_legend().get_texts()} == {"ProfilerStep#5", "backward", "all-reduce"}
 
 
+def test_plot_timeline_draws_any_table_of_spans_with_its_own_text():
+    """Not only traces: a pipeline's schedule, one lane per stage, each bar numbered."""
+    import pandas as pd
+
+    schedule = pd.DataFrame({"lane": ["stage 0", "stage 0", "stage 1"], "name": ["F", "B", "F"],
+                             "start_ms": [0.0, 10.0, 5.0], "end_ms": [5.0, 20.0, 10.0], "text": ["0", "0", "0"]})
+    ax = labkit.plot_timeline(schedule, legend=False)
+    assert sorted(t.get_text() for t in ax.texts) == ["0", "0", "0"] and ax.get_legend() is None
+
+
 def test_plot_timeline_refuses_bad_input(tmp_path):
     import pandas as pd
 
