@@ -142,9 +142,13 @@ window_loss = torch.zeros((), device=device)  # summed on the device: no sync pe
 start = time.perf_counter()
 for epoch in range(args.epochs):
     sampler.set_epoch(epoch)  # without it, every epoch repeats the same order
-    ready = time.perf_counter()
+    ready, first = time.perf_counter(), True
     for x, y in train_loader:
-        wait_s += time.perf_counter() - ready  # waiting for this batch: nothing else to do
+        waited = time.perf_counter() - ready  # waiting for this batch: nothing else to do
+        wait_s += waited
+        if first:  # the workers start here (and again every epoch, unless they persist)
+            metrics.log(step, epoch=epoch, first_batch_wait_s=waited)
+            first = False
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with record_function("forward"), torch.autocast(device.type, amp_dtype, enabled=bool(amp_dtype)):
             loss = F.cross_entropy(model(x), y)
