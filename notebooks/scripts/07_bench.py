@@ -1,7 +1,8 @@
 """Lesson 07 bench: one training step of the lesson's model, timed on many settings side by side.
 
-Run it:  torchrun --standalone --nproc-per-node=2 scripts/07_bench.py   (DDP: buckets and options)
-         torchrun --standalone --nproc-per-node=1 scripts/07_bench.py   (one process: the baselines)
+Run it:  torchrun --standalone --nproc-per-node=2 scripts/07_bench.py
+On several ranks: DDP's bucket sizes and options; then rank 0 alone (the others wait, idle)
+times the same step as one process, for the scaling report. On one process: that part only.
 """
 import argparse
 import os
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from torch.utils.flop_counter import FlopCounterMode
 
 from labkit import metrics
@@ -23,13 +25,13 @@ parser.add_argument("--batch-size", type=int, default=128, help="per rank")
 parser.add_argument("--steps", type=int, default=5, help="timed steps in each repeat")
 parser.add_argument("--repeats", type=int, default=5, help="rounds over every setting")
 parser.add_argument("--bucket-caps", default="0.02,0.2,25", help="DDP: bucket_cap_mb to compare")
-parser.add_argument("--threads", default="1", help="one process: thread counts to compare")
-parser.add_argument("--ranks", type=int, default=2, help="one process: the DDP run's world size")
+parser.add_argument("--ranks", type=int, default=2, help="one process alone: the world size to compare")
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
 
 rank = int(os.environ.get("RANK", 0))
 world_size = int(os.environ.get("WORLD_SIZE", 1))
+rank_threads = torch.get_num_threads()  # what each rank was given (OMP_NUM_THREADS)
 if torch.cuda.is_available():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
@@ -37,6 +39,7 @@ else:
     device = torch.device("cpu")
 if world_size > 1:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start and stop notes: off
 
 
 def batches(size):
@@ -56,7 +59,7 @@ def make(options=None, threads=None, batch_size=args.batch_size):
     return {"model": model, "optimizer": optimizer, "threads": threads, "batches": batches(batch_size)}
 
 
-def run_steps(setting) -> float:
+def run_steps(setting, profiler=None) -> float:
     """Train on the setting's batches; return the seconds per step."""
     if setting["threads"]:
         torch.set_num_threads(setting["threads"])
@@ -64,8 +67,14 @@ def run_steps(setting) -> float:
     start = time.perf_counter()
     for x, y in setting["batches"]:
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
+        with record_function("forward"):
+            loss = F.cross_entropy(model(x), y)
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            optimizer.step()
+        if profiler:
+            profiler.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / len(setting["batches"])
@@ -87,29 +96,24 @@ def bench(settings) -> None:
             print(f"{name:>34}: {1000 * statistics.median(found):7.1f} ms a step (median)")
 
 
-if world_size > 1:  # --- DDP on every rank: bucket sizes, and two options that save work ----
-    settings = {f"buckets of {cap:g} MB": make({"bucket_cap_mb": cap})
-                for cap in map(float, args.bucket_caps.split(","))}
-    settings["gradient_as_bucket_view"] = make({"gradient_as_bucket_view": True})
-    settings["static_graph"] = make({"static_graph": True})
-    bench(settings)
-    first = None
-    for name, setting in settings.items():
-        model = setting["model"]
-        stats = model._get_ddp_logging_data()  # what DDP measured and decided (sampled steps)
-        grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
-                 for p in model.parameters()}  # each distinct block of gradient memory, once
-        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-        first = weights if first is None else first
-        metrics.log(0, setting=name, buckets=len(str(stats["rebuilt_bucket_sizes"]).split(",")),
-                    bucket_bytes=sum(map(int, str(stats["rebuilt_bucket_sizes"]).split(","))),
-                    overlap_ms=stats.get("avg_backward_compute_comm_overlap_time", 0) / 1e6,
-                    grad_blocks=len(grads), grad_bytes=sum(grads.values()),
-                    gap_to_first=(weights - first).abs().max())  # the same maths: 0
-    dist.destroy_process_group()
-else:  # --- one process: the scaling report's baselines, FLOPs and the peak -------------
-    sizes = {"per-rank batch": args.batch_size, "global batch": args.ranks * args.batch_size}
-    threads = [int(t) for t in args.threads.split(",")] if device.type == "cpu" else [None]
+def save_trace(setting, name: str) -> None:
+    """Profile a round of the setting's steps, after one round that is not kept, into the run
+    folder (labkit's, else here) as trace_rank<R>_<name>.json."""
+    steps = len(setting["batches"])
+    path = os.path.join(os.environ.get(metrics.RUN_DIR_ENV, "."), f"trace_rank{rank}_{name}.json")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True, on_trace_ready=lambda p: p.export_chrome_trace(path),
+                 schedule=schedule(wait=0, warmup=steps, active=steps, repeat=1)) as profiler:
+        for _ in range(2):
+            run_steps(setting, profiler)
+
+
+def baselines(ranks: int) -> None:
+    """One process alone on the machine: the same step with one rank's threads and with every
+    core, at the per-rank and the global batch; the FLOPs of a step; the peak of a matmul."""
+    sizes = {"per-rank batch": args.batch_size, "global batch": ranks * args.batch_size}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = sorted({rank_threads, cores}) if device.type == "cpu" else [None]  # a GPU: no threads
     settings = {f"{n} thread(s), {what}" if n else what: make(threads=n, batch_size=size)
                 for n in threads for what, size in sizes.items()}
     bench(settings)
@@ -136,3 +140,36 @@ else:  # --- one process: the scaling report's baselines, FLOPs and the peak ---
         metrics.log(0, threads=count or 0, peak_flops=statistics.median(rates[1:]))
         where = f"{count} thread(s)" if count else "the GPU"
         print(f"peak of a {n}×{n} matmul on {where}: {statistics.median(rates[1:]) / 1e9:,.1f} GFLOP/s")
+
+
+if world_size > 1:  # --- DDP on every rank: bucket sizes, and two options that save work ----
+    settings = {f"buckets of {cap:g} MB": make({"bucket_cap_mb": cap})
+                for cap in map(float, args.bucket_caps.split(","))}
+    settings["gradient_as_bucket_view"] = make({"gradient_as_bucket_view": True})
+    settings["static_graph"] = make({"static_graph": True})
+    bench(settings)
+    first = None
+    for name, setting in settings.items():
+        model = setting["model"]
+        stats = model._get_ddp_logging_data()  # what DDP measured and decided (sampled steps)
+        grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                 for p in model.parameters()}  # each distinct block of gradient memory, once
+        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+        first = weights if first is None else first
+        metrics.log(0, setting=name, buckets=len(str(stats["rebuilt_bucket_sizes"]).split(",")),
+                    bucket_bytes=sum(map(int, str(stats["rebuilt_bucket_sizes"]).split(","))),
+                    overlap_ms=stats.get("avg_backward_compute_comm_overlap_time", 0) / 1e6,
+                    grad_blocks=len(grads), grad_bytes=sum(grads.values()),
+                    gap_to_first=(weights - first).abs().max())  # the same maths: 0
+    for i, name in enumerate(settings):  # each bucket size's steps, as the profiler sees them
+        if name.startswith("buckets"):
+            save_trace(settings[name], f"buckets{i}")
+    waited, used = time.perf_counter(), time.process_time()
+    if rank == 0:  # then rank 0 alone is one process on the machine: the baselines
+        baselines(world_size)
+    dist.barrier()  # the other ranks wait here meanwhile...
+    if rank:  # ...and say how much CPU time they used while they waited
+        metrics.log(0, waited_s=time.perf_counter() - waited, waited_cpu_s=time.process_time() - used)
+    dist.destroy_process_group()
+else:
+    baselines(args.ranks)
