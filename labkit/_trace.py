@@ -198,8 +198,9 @@ def plot_timeline(events, *, lanes=None, ax=None, title: str | None = None, lege
         events: rows of ``read_trace`` (``lane``, ``start_ms``, ``end_ms``, ``name``), already
             chosen: a step's phases and its all-reduces, say; or any table with those columns
             (a pipeline's schedule, one lane per stage). A ``label`` column, where present,
-            names each bar (and picks its colour) instead of ``name``; a ``text`` column, where
-            present, is what a bar wide enough shows written in it (the label otherwise).
+            names each bar (and picks its colour) instead of ``name``. Each label is written
+            once per lane, in its widest bar (when wide enough); a ``text`` column, where
+            present, is written in every bar wide enough instead (a micro-batch's number, say).
         lanes: the rows to draw, top to bottom, and what to call them: a list of lane names,
             or a dict {lane: shown name}. Default: every lane, in order of first appearance.
         ax: the axes to draw on (a new figure if None).
@@ -233,7 +234,13 @@ def plot_timeline(events, *, lanes=None, ax=None, title: str | None = None, lege
     if unknown:
         raise ValueError(f"events on lanes {unknown} that lanes= leaves out; lanes given: {list(names)}")
     labels = events["label"].fillna(events["name"]) if "label" in events.columns else events["name"]
-    texts = events["text"].fillna(labels) if "text" in events.columns else labels
+    widths = events["end_ms"] - events["start_ms"]
+    if "text" in events.columns:
+        texts = events["text"].fillna(labels)
+    else:  # a label once per lane, in its widest bar: many narrow bars would write over each other
+        groups = [events["lane"], labels]
+        widest = widths.eq(widths.groupby(groups).transform("max"))
+        texts = labels.where(widest & widest.groupby(groups).cumsum().eq(1), "")  # the first widest
     palette = plt.get_cmap("tab10").colors
     colour = {label: palette[i % len(palette)] for i, label in enumerate(dict.fromkeys(labels))}
     origin = float(events["start_ms"].min())
@@ -246,7 +253,7 @@ def plot_timeline(events, *, lanes=None, ax=None, title: str | None = None, lege
         y = rows[event["lane"]]
         ax.broken_barh([(start, max(width, span / 2000))], (y - 0.38, 0.76), color=colour[label],
                        alpha=0.85, edgecolor="white", linewidth=0.3)
-        if width > span / 12:
+        if text != "" and width > span / 12:
             ax.text(start + width / 2, y, str(text), ha="center", va="center", fontsize=7,
                     clip_on=True)
     ax.set_yticks(list(rows.values()), [names[lane] for lane in rows])

@@ -119,6 +119,15 @@ def test_plot_timeline_draws_one_row_per_lane(tmp_path):
     assert {t.get_text() for t in ax.get_legend().get_texts()} == {"ProfilerStep#5", "backward", "all-reduce"}
 
 
+def test_plot_timeline_writes_a_label_once_per_lane_in_its_widest_bar():
+    import pandas as pd
+
+    ops = pd.DataFrame({"lane": ["main"] * 3 + ["gloo"], "name": ["op", "op", "op", "all-reduce"],
+                        "start_ms": [0.0, 10.0, 40.0, 5.0], "end_ms": [9.0, 39.0, 49.0, 45.0]})
+    ax = labkit.plot_timeline(ops)
+    assert sorted((t.get_text(), t.get_position()[0]) for t in ax.texts) == [("all-reduce", 25.0), ("op", 24.5)]
+
+
 def test_plot_timeline_draws_any_table_of_spans_with_its_own_text():
     """Not only traces: a pipeline's schedule, one lane per stage, each bar numbered."""
     import pandas as pd
