@@ -8,6 +8,8 @@ Notebook side (see each name's docstring)::
     run.metrics(); run.throughput()
     sweep = labkit.sweep("scripts/02_ddp.py", nprocs=[1, 2], repeats=3)
     labkit.plot_speedup(sweep); labkit.plot_loss([run_a, run_b])
+    trace = labkit.read_trace(run.run_dir / "trace_rank0.json")   # a profiler trace, as a table
+    labkit.plot_timeline(trace[trace["step"] == 5])                 # lesson 07
     DEVICE = labkit.lesson_device()            # "auto" on 2+ GPUs, else CPU ranks
     labkit.compare_losses(run, reference, epoch_tol=0.05).check()   # trained alike?
     labkit.launch("scripts/08_project/train.py", nproc=1, nnodes=2)   # two nodes, one machine
@@ -65,6 +67,10 @@ _LAZY = {
     "plot_speedup": "labkit._plots",
     "plot_throughput": "labkit._plots",
     "gpu_count": "labkit._hardware",
+    "datasheet_tflops": "labkit._hardware",
+    "read_trace": "labkit._trace",
+    "overlap_ms": "labkit._trace",
+    "plot_timeline": "labkit._trace",
     "is_smoke": "labkit._hardware",
     "LabkitError": "labkit._errors",
     "LaunchError": "labkit._errors",

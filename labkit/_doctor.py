@@ -148,6 +148,21 @@ def environment_check(course: Path | None = None, imported: Path | None = None) 
                          f"`make lab` in {course}, or pick the kernel of {Path(course) / '.venv'}")
 
 
+def cpu_bf16_check(flags: set[str] | None, capability: str | None) -> Check:
+    """Does the CPU have bfloat16 (or AMX) instructions? bf16 autocast is fast only with them."""
+    used = f"; PyTorch's CPU kernels use {capability}" if capability else ""
+    if flags is None:
+        return Check("CPU bf16", f"unknown (no CPU flags to read){used}", "info")
+    found = _hardware.cpu_bf16(flags)
+    x86 = "sse2" in flags
+    if found:
+        no_amx = "; no AMX" if x86 and "amx_bf16" not in flags else ""
+        return Check("CPU bf16", f"{', '.join(found)}{no_amx}{used}", "info")
+    return Check("CPU bf16", f"no bf16 {'or AMX ' if x86 else ''}instructions found{used}", "info",
+                 "bf16 autocast on this CPU is emulated and may be slower than float32 (lesson 07 "
+                 "measures it)")
+
+
 def launch_check(timeout: float = 120) -> Check:
     """Launch a tiny all-reduce on the ranks lessons use: loopback, rendezvous and backend in one."""
     from labkit._errors import LabkitError
@@ -229,6 +244,7 @@ def doctor(data_dir: str | os.PathLike | None = None, *, launch: bool = False) -
     cores = _hardware.cpu_count()
     add(Check("CPU cores", f"{cores} usable by this process", "ok" if cores >= 2 else "warn",
               "" if cores >= 2 else "one core: 2 ranks will share it, so timings mean little"))
+    add(cpu_bf16_check(_hardware.cpu_flags(), torch.backends.cpu.get_cpu_capability()))
     report.device = "cuda" if gpus else "cpu"
     report.backend = "nccl" if gpus else "gloo"
     report.nproc = default_nproc()

@@ -241,10 +241,14 @@ def _exit(code: int) -> None:
     after the script has finished its work. ``destroy_process_group()`` does not
     join those threads, and a script cannot close the window itself.
 
-    So: wait for the script's non-daemon threads, run the atexit handlers
-    (DataLoader workers, logging, temporary files, labkit's metrics), flush, and
-    leave with ``os._exit``, which stops gloo's threads where they stand.
+    So, in the interpreter's own order: the threading module's exit calls (they tell
+    ``concurrent.futures`` pools to stop: ``torch.compile`` leaves one running), then wait
+    for the script's non-daemon threads, run the atexit handlers (DataLoader workers,
+    logging, temporary files, labkit's metrics), flush, and leave with ``os._exit``, which
+    stops gloo's threads where they stand.
     """
+    for call in reversed(getattr(threading, "_threading_atexits", [])):  # what Python calls first
+        call()
     main_thread = threading.main_thread()
     for thread in threading.enumerate():
         if thread is not main_thread and not thread.daemon:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -96,6 +97,104 @@ def cpu_count() -> int:
 def describe() -> dict:
     """What a run or sweep records of this machine: CPU cores, platform and the visible GPUs."""
     return {"cpu_count": cpu_count(), "platform": sys.platform, "gpus": [asdict(g) for g in gpus()]}
+
+
+#: CPU instructions that speed up bfloat16 maths, as Linux's /proc/cpuinfo names them.
+BF16_FLAGS = {
+    "amx_bf16": "AMX-BF16 (matrix tiles in bf16)",
+    "avx512_bf16": "AVX-512 BF16 (bf16 dot products)",
+    "avx_ne_convert": "AVX-NE-CONVERT (bf16 conversions)",
+}
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
+    """The CPU's feature flags (Linux: /proc/cpuinfo; Apple silicon: sysctl), or None if unknown.
+
+    Args:
+        cpuinfo: the text of /proc/cpuinfo to read instead (tests).
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return _sysctl_flags()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86, ARM
+            return set(value.split())
+    return None
+
+
+def _sysctl_flags() -> set[str] | None:
+    """macOS on Apple silicon: hw.optional.arm.FEAT_BF16 = 1 means bf16 instructions."""
+    exe = shutil.which("sysctl")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"bf16"} if out == "1" else set() if out == "0" else None
+
+
+def cpu_bf16(flags: set[str] | None = None) -> list[str]:
+    """What this CPU offers bfloat16, in words (lesson 07 times bf16 autocast on it); [] for
+    nothing found. Without such instructions, bf16 on the CPU is emulated and may be slower
+    than float32."""
+    flags = cpu_flags() if flags is None else flags
+    found = [words for flag, words in BF16_FLAGS.items() if flag in (flags or ())]
+    if "bf16" in (flags or ()):  # ARM: FEAT_BF16 (Linux "bf16", macOS sysctl)
+        found.append("ARM BF16 (bf16 dot products and matrix multiply)")
+    return found
+
+
+#: Dense peak TFLOP/s (no sparsity) from NVIDIA's datasheets, by the maths a model runs in:
+#: "fp32" on CUDA cores; "tf32", float32 convolutions and matmuls on tensor cores (cuDNN's
+#: default for convolutions); "bf16" under bf16 autocast. Lesson 07 divides by it for MFU.
+DATASHEET_TFLOPS = {
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0},
+    "H100 SXM": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4},
+    "H100 PCIe": {"fp32": 51.2, "tf32": 378.0, "bf16": 756.0},
+    "H200 SXM": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4},
+    "L4": {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0},
+}
+
+
+def datasheet_model(gpu_name: str) -> str | None:
+    """The DATASHEET_TFLOPS entry for a GPU as nvidia-smi names it ("NVIDIA H100 80GB HBM3"),
+    or None for a GPU the table does not know (then measure its peak instead)."""
+    name = gpu_name.upper().replace("-", " ")
+    if "H100" in name:
+        return "H100 PCIe" if "PCIE" in name else None if "NVL" in name else "H100 SXM"
+    if "H200" in name:
+        return None if "NVL" in name else "H200 SXM"
+    if "A100" in name:
+        return "A100"
+    if re.search(r"\bL4\b", name):
+        return "L4"
+    return None
+
+
+def datasheet_tflops(gpu_name: str, precision: str = "tf32") -> float | None:
+    """A GPU's dense peak TFLOP/s from its datasheet, or None when the table does not know it.
+
+    Args:
+        gpu_name: the name nvidia-smi (or ``torch.cuda.get_device_name``) reports.
+        precision: "fp32", "tf32" or "bf16".
+
+    Raises:
+        ValueError: an unknown precision.
+
+    Example (lesson 07)::
+
+        labkit.datasheet_tflops("NVIDIA A100-SXM4-80GB")   # 156.0 (TF32 tensor cores)
+    """
+    if precision not in ("fp32", "tf32", "bf16"):
+        raise ValueError(f"precision must be 'fp32', 'tf32' or 'bf16', got {precision!r}")
+    model = datasheet_model(gpu_name)
+    return None if model is None else DATASHEET_TFLOPS[model][precision]
 
 
 def loopback_interface() -> str | None:

@@ -161,3 +161,22 @@ def test_another_environments_labkit_is_caught_in_a_real_kernel(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(other)}, timeout=60, check=True).stdout.splitlines()
     assert out[0].startswith(str(other)), out
     assert out[1] == "warn" and f"labkit from {other}, not from {ROOT}" in out[2], out
+
+
+@pytest.mark.parametrize("flags, value, advice", [
+    ({"sse2", "avx512_bf16"}, "AVX-512 BF16 (bf16 dot products); no AMX; PyTorch's CPU kernels use AVX512", ""),
+    ({"sse2", "amx_bf16", "avx512_bf16"}, "AMX-BF16 (matrix tiles in bf16), AVX-512 BF16 (bf16 dot products); "
+                                          "PyTorch's CPU kernels use AVX512", ""),
+    ({"sse2", "avx2"}, "no bf16 or AMX instructions found; PyTorch's CPU kernels use AVX512", "may be slower"),
+    (None, "unknown (no CPU flags to read); PyTorch's CPU kernels use AVX512", ""),
+])
+def test_cpu_bf16_row_says_what_the_cpu_offers(flags, value, advice):
+    from labkit._doctor import cpu_bf16_check
+
+    row = cpu_bf16_check(flags, "AVX512")
+    assert row.what == "CPU bf16" and row.value == value and row.status == "info"
+    assert advice in row.advice
+
+
+def test_doctor_reports_the_cpu_bf16_row(tmp_path):
+    assert "bf16" in labkit.doctor(data_dir=tmp_path)["CPU bf16"].value

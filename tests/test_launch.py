@@ -478,6 +478,22 @@ def test_a_rank_ends_like_python_but_skips_the_final_teardown(workdir, write_scr
 
 
 @pytest.mark.launch
+def test_a_rank_whose_thread_pool_is_never_shut_down_still_ends(workdir, write_script):
+    """A concurrent.futures pool left running (torch.compile's Inductor leaves one) stops at
+    exit because Python tells it to before joining threads; a rank must do the same, or it
+    waits for the pool's idle workers for ever."""
+    write_script("pool.py", """
+        import json
+        from concurrent.futures import ThreadPoolExecutor
+
+        json.kept_pool = ThreadPoolExecutor(max_workers=2)  # held by a module, as a library holds it
+        print("answer", json.kept_pool.submit(lambda: 6 * 7).result())
+    """)
+    run = labkit.launch("pool.py", nproc=1, timeout=60)
+    assert run.status == "ok" and "answer 42" in run.output(0)
+
+
+@pytest.mark.launch
 @pytest.mark.parametrize("code", [0, 3])
 def test_a_ranks_exit_code_is_kept(workdir, write_script, code):
     write_script("leave.py", f"""

@@ -103,8 +103,10 @@ def test_writefile_cells_are_short(path):
 
 
 #: The lesson scripts whose runs are compared with each other: across world sizes (02-04),
-#: across a resume (05), DDP against FSDP (06). Lesson 01 trains alone and keeps augmentation.
-COMPARED = ["02_ddp.py", "03_syncbn.py", "04_accumulation.py", "05_checkpointing.py", "06_fsdp.py"]
+#: across a resume (05), DDP against FSDP (06), each knob against plain float32 (07). Lesson 01
+#: trains alone and keeps augmentation.
+COMPARED = ["02_ddp.py", "03_syncbn.py", "04_accumulation.py", "05_checkpointing.py", "06_fsdp.py",
+            "07_performance.py"]
 
 
 @pytest.mark.parametrize("script", COMPARED)
