@@ -78,20 +78,6 @@ test-slurm: $(STAMP)
 	LABKIT_SMOKE=1 $(PY) -m labkit._slurm_cluster run --install -- \
 		$(PY) -m pytest tests/test_slurm.py tests/test_slurm_cluster.py
 
-# The course as a learner uses it: JupyterLab (smoke mode, a copy of the course under /tmp) driven
-# by headless Chromium through Playwright: Run All, the live chart, interrupt, restart, a check.
-# Installs what is missing: Playwright into .venv, Debian's chromium with apt when run as root
-# (Playwright cannot fetch its own browsers offline); without chromium the tests skip and say why.
-# Screenshots of every step: build/browser/<test>/.
-test-browser: $(STAMP)
-	@$(PY) -c "import playwright" 2>/dev/null || $(PY) -m pip install $(PIP_FROM) playwright
-	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    { apt-get update -qq && apt-get install -y -qq chromium; } || \
-	      echo "apt-get could not install chromium: the browser tests will skip"; \
-	  else echo "no chromium, and not root to install it: the browser tests will skip (apt-get install chromium)"; fi
-	LABKIT_SMOKE=1 $(PY) -m pytest --browser tests/test_browser.py
-
 # Regenerate exercises/ from solutions/ (a changed exercise is backed up to exercises/backup/).
 exercises: $(STAMP)
 	$(PY) -m labkit.exercises generate

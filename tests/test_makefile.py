@@ -93,3 +93,11 @@ def test_make_lab_passes_the_cpu_wheels_through(seat):
                          capture_output=True, text=True, timeout=60).stdout
     assert f".venv/bin/python -m pip install  {CPU}" in out
     assert ".venv/bin/jupyter lab --ServerApp.root_dir=." in out
+
+
+def test_make_reads_the_makefile_without_a_warning(seat):
+    """Two recipes for one target (a merge can leave both) make GNU make warn and silently run
+    only the last: every target the README or CI names must be defined once."""
+    out = subprocess.run([MAKE, "-C", str(seat), "-n", "test", "test-browser", "test-slurm", "lab"],
+                         capture_output=True, text=True, timeout=60)
+    assert "warning" not in out.stderr.lower(), out.stderr
