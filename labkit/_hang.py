@@ -113,10 +113,7 @@ def where(dump: str, script: str) -> str | None:
         mine = [f for f in frames if os.path.basename(f["file"]) == name]
         if not mine:
             continue
-        text = f"{script}:{mine[0]['line']} in {mine[0]['func'].strip()}"
-        if frames[0] is not mine[0]:
-            text += f", inside {frames[0]['func'].strip()} ({os.path.basename(frames[0]['file'])})"
-        return text
+        return _supervise.place(script, frames, mine[0])
     return None
 
 

@@ -258,6 +258,17 @@ def request_stacks(run_dir: Path, streams: Streams) -> dict[int, tuple[str, int]
     return marks
 
 
+def place(script: str, frames: list[dict], frame: dict) -> str:
+    """'scripts/x.py:12 in <module>, inside all_reduce (distributed_c10d.py)': where a thread of
+    the script is. ``frames``: the thread's frames, innermost first (dicts with file, line and
+    func); ``frame``: the script's innermost one among them. Timeouts (faulthandler's dumps) and
+    lesson 09's py-spy dumps say it in this one form, so the two can be compared."""
+    where = f"{script}:{frame['line']} in {frame['func'].strip()}"
+    if frames[0] is not frame:
+        where += f", inside {frames[0]['func'].strip()} ({os.path.basename(frames[0]['file'])})"
+    return where
+
+
 def parse_stack(text: str, script: str) -> str | None:
     """'scripts/x.py:12 in <module>, inside all_reduce' from a faulthandler dump."""
     script_abs = os.path.abspath(script)
@@ -270,10 +281,7 @@ def parse_stack(text: str, script: str) -> str | None:
         mine = [f for f in frames if os.path.abspath(f["file"]) == script_abs]
         if not mine:
             continue
-        where = f"{script}:{mine[0]['line']} in {mine[0]['func'].strip()}"
-        if frames[0] is not mine[0]:
-            where += f", inside {frames[0]['func'].strip()} ({os.path.basename(frames[0]['file'])})"
-        best = where
+        best = place(script, frames, mine[0])
         if lines[0].startswith("Current thread"):
             break
     return best

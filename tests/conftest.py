@@ -67,18 +67,6 @@ def pytest_report_header(config):
             + ". The tests that need them are skipped, each saying why.")
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster():
-    """The Slurm cluster the tests submit to: the one SLURM_CONF names (``make test-slurm``
-    starts a one-host cluster and sets it), or the machine's own. Tests that use it are marked
-    ``slurm`` and skipped, with the reason, where none answers."""
-    from labkit._slurm import slurm_status
-    status = slurm_status()
-    if not status:
-        pytest.skip(f"{status.reason}; make test-slurm runs this")
-    return status
-
-
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """A fresh folder as the current directory; scripts and runs/ go here."""
