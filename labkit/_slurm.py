@@ -29,6 +29,8 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
                 "PREEMPTED", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
 _POLL_S = 0.25
 _FORGOTTEN_S = 30.0
+#: Where no Slurm answers, what does give one (said once, in every such reason).
+_GET_ONE = "`make test-slurm` runs them on a one-host cluster"
 
 
 @dataclass(frozen=True)
@@ -53,16 +55,16 @@ def slurm_status(*, timeout: float = 10.0) -> SlurmStatus:
             print(f"skipped: {slurm.reason}")
     """
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
-        return SlurmStatus(False, "Slurm is not installed here (no sbatch on PATH); `make "
-                                  "test-slurm` runs these cells on a one-host cluster")
+        return SlurmStatus(False, f"Slurm is not installed here (no sbatch on PATH); {_GET_ONE}")
     try:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True,
                              text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return SlurmStatus(False, f"sinfo found no Slurm controller within {timeout:g} s")
+        return SlurmStatus(False, f"sinfo found no Slurm controller within {timeout:g} s; {_GET_ONE}")
     if out.returncode != 0:
         said = (out.stderr.strip().splitlines() or ["no message"])[-1]
-        return SlurmStatus(False, f"sbatch is installed but no Slurm controller answers ({said})")
+        return SlurmStatus(False, f"sbatch is installed but no Slurm controller answers ({said}); "
+                                  f"{_GET_ONE}")
     nodes = dict(line.split()[:2] for line in out.stdout.splitlines() if len(line.split()) >= 2)
     usable = sorted(n for n, state in nodes.items() if state.rstrip("*~#") in ("idle", "mixed", "allocated"))
     if not usable:
