@@ -151,6 +151,9 @@ def save_checkpoint(step: int, epoch: int, batch_in_epoch: int) -> None:
         checkpoint.save_atomic(state, checkpoint.step_path(args.ckpt_dir, step))
         metrics.log(step, checkpoint_saved=step)
         checkpoint.prune(args.ckpt_dir, keep=2)  # the newest two: one survives a crash mid-save
+    # Every rank's lines up to this step reach the disk with the checkpoint: a node killed
+    # later loses only lines of steps the next round does again.
+    metrics.flush()
     if ddp:
         dist.barrier()  # no rank goes on until the checkpoint is complete on disk
 
