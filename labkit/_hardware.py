@@ -17,6 +17,8 @@ import sys
 from dataclasses import asdict, dataclass
 
 SMOKE_ENV = "LABKIT_SMOKE"
+RANKS_ENV = "LABKIT_RANKS"
+DEFAULT_CPU_RANKS = 2
 
 
 def is_smoke() -> bool:
@@ -25,6 +27,28 @@ def is_smoke() -> bool:
     CI sets it; a learner may too, for a quick first pass through a lesson.
     """
     return os.environ.get(SMOKE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def cpu_ranks() -> int:
+    """How many CPU ranks a lesson launches where it has no GPU for every rank: ``LABKIT_RANKS``,
+    else 2. ``make test-scale`` sets 4, so that every lesson and check is proven at the sizes
+    learners run (two nodes of two, a 2 x 2 mesh, four pipeline stages); in smoke mode it also
+    caps how many GPUs a lesson uses.
+
+    Raises:
+        ValueError: ``LABKIT_RANKS`` is set but is not an int >= 1.
+
+    Example::
+
+        LABKIT_RANKS=4 LABKIT_SMOKE=1 jupyter lab    # every lesson on 4 CPU ranks
+    """
+    text = os.environ.get(RANKS_ENV, "").strip()
+    if not text:
+        return DEFAULT_CPU_RANKS
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{RANKS_ENV} must be a whole number of ranks >= 1, got {text!r}. "
+                         f"HINT: unset it for {DEFAULT_CPU_RANKS} ranks, or e.g. {RANKS_ENV}=4.")
+    return int(text)
 
 
 @dataclass(frozen=True)

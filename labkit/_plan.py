@@ -123,13 +123,19 @@ def resolve_device(device: str) -> str:
 
 
 def default_nproc(device: str = "auto") -> int:
-    """Ranks a launch uses when nproc is not given: every visible GPU, else 2 CPU ranks.
+    """Ranks a launch uses when nproc is not given: every visible GPU, else 2 CPU ranks
+    (``LABKIT_RANKS`` CPU ranks when it is set; ``make test-scale`` sets 4).
 
-    Smoke mode (LABKIT_SMOKE=1) caps it at 2.
+    Smoke mode (LABKIT_SMOKE=1) caps the GPUs at the same number (2 unless ``LABKIT_RANKS``).
+
+    Example::
+
+        NPROC = labkit.default_nproc(DEVICE)     # every GPU, else 2 CPU ranks
     """
     kind = resolve_device(device)
-    n = _hardware.gpu_count() if kind == "cuda" else 2
-    return min(n, 2) if _hardware.is_smoke() else n
+    ranks = _hardware.cpu_ranks()
+    n = _hardware.gpu_count() if kind == "cuda" else ranks
+    return min(n, ranks) if _hardware.is_smoke() else n
 
 
 def lesson_device(ranks: int = 2) -> str:

@@ -232,6 +232,23 @@ def test_default_nproc_is_two_cpu_ranks_without_gpus(monkeypatch):
     assert labkit.default_nproc() == 2
 
 
+def test_labkit_ranks_sets_the_cpu_ranks_and_the_smoke_cap(monkeypatch):
+    """make test-scale sets LABKIT_RANKS=4: CPU lessons launch 4 ranks, smoke mode caps GPUs at 4."""
+    monkeypatch.setenv("LABKIT_RANKS", "4")
+    monkeypatch.setattr(_hardware, "gpu_count", lambda: 0)
+    assert labkit.default_nproc() == 4
+    monkeypatch.setattr(_hardware, "gpu_count", lambda: 8)
+    monkeypatch.setenv("LABKIT_SMOKE", "1")
+    assert labkit.default_nproc() == 4
+    assert labkit.default_nproc("cpu") == 4
+    monkeypatch.delenv("LABKIT_SMOKE")
+    assert labkit.default_nproc() == 8
+    for bad in ("0", "four", "-2", "2.5"):
+        monkeypatch.setenv("LABKIT_RANKS", bad)
+        with pytest.raises(ValueError, match="LABKIT_RANKS must be a whole number"):
+            labkit.default_nproc("cpu")
+
+
 @pytest.mark.parametrize("gpus, ranks, device", [(0, 2, "cpu"), (1, 2, "cpu"), (2, 2, "auto"),
                                                   (8, 2, "auto"), (1, 1, "auto"), (3, 4, "cpu")])
 def test_lesson_device_needs_a_gpu_for_every_rank(monkeypatch, gpus, ranks, device):
