@@ -20,21 +20,29 @@ TORCH  ?= torch==2.14.1 torchvision==0.29.1
 # each seat, where `make lab WHEELS=wheelhouse` installs from it alone, without the network.
 WHEELS ?=
 PIP_FROM = $(if $(WHEELS),--no-index --find-links $(WHEELS))
+# Every package the set-up installs, at the version the tests passed with (pip's constraints), so
+# that every seat of a room gets the same: `make lock` writes it from .venv (tools/lock.py). A
+# TORCH with its own --index-url takes torch's wheels, and their dependencies, from that index,
+# whose versions differ from PyPI's: the lock then applies from the next step on, which brings
+# every other package to its locked version (torch's own line, 2.14.1, fits its +cpu builds too).
+LOCK   := requirements.lock
+PIN     = $(if $(wildcard $(LOCK)),-c $(LOCK))
+PIN_TORCH = $(if $(findstring --index-url,$(TORCH)),,$(PIN))
 
-.PHONY: lab test test-fast test-full test-browser test-slurm exercises restore doctor bench clean-runs handout wheelhouse
+.PHONY: lab test test-fast test-full test-browser test-slurm exercises restore doctor bench clean-runs handout wheelhouse lock
 
-# The set-up runs again when what it installs changes: the content of pyproject.toml or TORCH.
+# The set-up runs again when what it installs changes: the content of pyproject.toml, the lock or TORCH.
 # The stamp holds their checksum (not a time: a fresh clone next to an existing .venv looks
 # newer than it, yet needs nothing installed).
-SETUP := $(shell { printf '%s\n' '$(TORCH)'; cat pyproject.toml; } | cksum)
+SETUP := $(shell { printf '%s\n' '$(TORCH)'; cat pyproject.toml $(wildcard $(LOCK)); } | cksum)
 ifneq ($(SETUP),$(shell cat $(STAMP) 2>/dev/null))
 .PHONY: $(STAMP)
 endif
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade $(PIP_FROM) pip >/dev/null
-	$(PY) -m pip install $(PIP_FROM) $(TORCH)
-	$(PY) -m pip install $(PIP_FROM) -e ".[test]"
+	$(PY) -m pip install $(PIP_FROM) $(PIN_TORCH) $(TORCH)
+	$(PY) -m pip install $(PIP_FROM) $(PIN) -e ".[test]"
 	@echo '$(SETUP)' > $(STAMP)
 
 # The course folder is the root, so that notebooks/, exercises/ and solutions/ are all in reach.
@@ -75,7 +83,7 @@ test-browser: $(STAMP)
 # Debian packages first if they are missing (slurmctld slurmd slurm-client munge); elsewhere it
 # says why it skips. Every daemon it started is stopped, by pid, whatever happens.
 test-slurm: $(STAMP)
-	LABKIT_SMOKE=1 $(PY) -m labkit._slurm_cluster run --install -- \
+	LABKIT_SMOKE=1 $(PY) tools/slurm_cluster.py run --install -- \
 		$(PY) -m pytest tests/test_slurm.py tests/test_slurm_cluster.py
 
 # Regenerate exercises/ from solutions/ (a changed exercise is backed up to exercises/backup/).
@@ -104,9 +112,15 @@ handout:
 # options (an --index-url) apply to its wheels only; the rest come from PyPI.
 wheelhouse:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip download -d $(or $(WHEELS),wheelhouse) $(TORCH)
+	$(PY) -m pip download -d $(or $(WHEELS),wheelhouse) $(PIN_TORCH) $(TORCH)
 	$(PY) -m pip download -d $(or $(WHEELS),wheelhouse) --find-links $(or $(WHEELS),wheelhouse) \
-		pip "setuptools>=77" $(filter torch%,$(TORCH)) ".[test]"
+		$(PIN) pip "setuptools>=77" $(filter torch%,$(TORCH)) ".[test]"
+
+# Pin the tested set-up: after the tests pass in .venv, write the version of every package it
+# installed for the course to requirements.lock (commit it; the set-up above installs through it).
+lock:
+	@test -x $(PY) || { echo "no $(VENV) yet: run make test first, then make lock" >&2; exit 2; }
+	$(PY) tools/lock.py $(LOCK)
 
 clean-runs:
 	find . -path ./$(VENV) -prune -o -type d -name runs -prune -exec rm -rf {} +

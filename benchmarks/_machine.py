@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 from labkit import _hardware
-from labkit._launch import _torch_version
+from labkit._launch.command import _torch_version
 
 
 def cpu_model() -> str:

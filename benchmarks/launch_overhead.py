@@ -7,11 +7,11 @@ A tiny 2-rank gloo script (one all_reduce) is run three ways, in rounds:
            failure collection at the end).
   same     the very command labkit stored in run.json as `argv` (same interpreter,
            rendezvous on 127.0.0.1:0, --local-addr, --log-dir, --redirects, ranks
-           started in `-m labkit._entry`), run with subprocess and the environment
+           started in `-m labkit._rank.entry`), run with subprocess and the environment
            run.json records, with a fresh log folder and run id each time, and no
            run folder: the entry point then writes no pid files and watches only its
            parent. labkit / same is labkit's own cost, the ratio the bar is about.
-  script   the same command with the script in place of `-m labkit._entry SCRIPT`:
+  script   the same command with the script in place of `-m labkit._rank.entry SCRIPT`:
            torchrun runs the script itself. labkit's entry point ends a rank with
            os._exit once the script and its atexit handlers are done (see
            labkit/_entry.py), skipping the interpreter's teardown, so labkit / script
@@ -58,7 +58,7 @@ def with_labkit(script: Path, nproc: int, runs_dir: Path) -> tuple[float, labkit
     out = io.StringIO()  # labkit prints every rank's lines; a notebook would show them
     start = time.perf_counter()
     with contextlib.redirect_stdout(out):
-        run = labkit.launch(str(script), nproc=nproc, runs_dir=runs_dir, device="cpu", timeout=300)
+        run = labkit.launch(str(script), nproc=nproc, runs_dir=runs_dir, device="cpu", timeout_s=300)
     return time.perf_counter() - start, run
 
 
@@ -73,8 +73,8 @@ def replay(template: labkit.Run, folder: Path, *, entry_point: bool) -> float:
             arg = f"--rdzv-id={uuid.uuid4().hex[:12]}"
         argv.append(arg)
     if not entry_point:
-        i = argv.index("labkit._entry")
-        del argv[i - 1:i + 1]  # "-m labkit._entry SCRIPT" -> "SCRIPT"
+        i = argv.index("labkit._rank.entry")
+        del argv[i - 1:i + 1]  # "-m labkit._rank.entry SCRIPT" -> "SCRIPT"
     # The environment run.json records, and unbuffered output, as labkit gives its ranks.
     env = dict(os.environ, **template.info["env"], PYTHONUNBUFFERED="1")
     with open(folder / _rundir.TORCHRUN_LOG, "wb") as log:

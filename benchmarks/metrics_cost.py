@@ -43,7 +43,7 @@ def measure(width: int, batch: int, steps: int, nproc: int, runs_dir: Path) -> l
     """Launch the ranks; return what each measured."""
     with contextlib.redirect_stdout(io.StringIO()):
         run = labkit.launch(str(RANK_SCRIPT), nproc=nproc, device="cpu", runs_dir=runs_dir,
-                            timeout=600, name=f"metrics-cost-w{width}",
+                            timeout_s=600, name=f"metrics-cost-w{width}",
                             args=["--width", str(width), "--batch-size", str(batch),
                                   "--norm", "group", "--steps", str(steps)])
     return [json.loads((run.run_dir / f"bench-rank{r}.json").read_text()) for r in range(nproc)]

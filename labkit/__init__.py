@@ -6,7 +6,7 @@ Notebook side (see each name's docstring)::
     labkit.doctor()
     run = labkit.launch("scripts/02_ddp.py", nproc=2, args=["--epochs", "2"])
     run.metrics(); run.throughput()
-    sweep = labkit.sweep("scripts/02_ddp.py", nprocs=[1, 2], repeats=3)
+    sweep = labkit.sweep("scripts/02_ddp.py", nproc=[1, 2], repeats=3)
     labkit.plot_speedup(sweep); labkit.plot_loss([run_a, run_b])
     trace = labkit.read_trace(run.run_dir / "trace_rank0.json")   # a profiler trace, as a table
     labkit.plot_timeline(trace[trace["step"] == 5])                 # lesson 07
@@ -14,7 +14,7 @@ Notebook side (see each name's docstring)::
     labkit.compare_losses(run, reference, epoch_tol=0.05).check()   # trained alike?
     labkit.launch("scripts/08_project/train.py", nproc=1, nnodes=2)   # two nodes, one machine
     labkit.sbatch("scripts/08_job.sbatch", nodes=2)                    # where Slurm answers
-    labkit.launch(script, nproc=2, hang_timeout=5, events=[labkit.py_spy_dump()])   # a hang
+    labkit.launch(script, nproc=2, hang_timeout_s=5, events=[labkit.py_spy_dump()])   # a hang
     labkit.launch(script, nproc=1, nnodes=2, min_nodes=1, max_restarts=3,          # elastic
                   events=[labkit.kill_node(1, at_step=12), labkit.add_node(at_step=24)])
 
@@ -41,68 +41,73 @@ from __future__ import annotations
 
 import importlib
 
-from labkit import _checks
+from labkit._course import checks as _checks
 
 __version__ = "0.1.0"
 
+# The one registry of public names: name -> the module that defines it (loaded on first use).
 _LAZY = {
-    "launch": "labkit._launch",
-    "default_nproc": "labkit._plan",
-    "lesson_device": "labkit._plan",
-    "loss_by_step": "labkit._compare",
-    "loss_by_epoch": "labkit._compare",
-    "compare_losses": "labkit._compare",
-    "LossComparison": "labkit._compare",
-    "sweep": "labkit._sweep",
-    "Sweep": "labkit._sweep",
-    "Run": "labkit._run",
-    "doctor": "labkit._doctor",
-    "Report": "labkit._doctor",
-    "diff": "labkit._diff",
-    "write_variant": "labkit._diff",
-    "try_load": "labkit._tryload",
-    "LoadReport": "labkit._tryload",
-    "plot_loss": "labkit._plots",
-    "plot_metric": "labkit._plots",
-    "plot_speedup": "labkit._plots",
-    "plot_throughput": "labkit._plots",
+    # launching (labkit/_launch/)
+    "launch": "labkit._launch.launch",
+    "default_nproc": "labkit._launch.plan",
+    "lesson_device": "labkit._launch.plan",
+    "sweep": "labkit._launch.sweep",
+    "Sweep": "labkit._launch.sweep",
+    "sbatch": "labkit._launch.sbatch",            # lesson 08: Slurm
+    "slurm_status": "labkit._launch.sbatch",
+    "SlurmStatus": "labkit._launch.sbatch",
+    "kill_node": "labkit._launch.elastic",        # lesson 09: elastic training
+    "add_node": "labkit._launch.elastic",
+    # reading results (labkit/_results/)
+    "Run": "labkit._results.run",
+    "loss_by_step": "labkit._results.compare",
+    "loss_by_epoch": "labkit._results.compare",
+    "compare_losses": "labkit._results.compare",
+    "LossComparison": "labkit._results.compare",
+    "plot_loss": "labkit._results.plots",
+    "plot_metric": "labkit._results.plots",
+    "plot_speedup": "labkit._results.plots",
+    "plot_throughput": "labkit._results.plots",
+    "diff": "labkit._results.diff",
+    "write_variant": "labkit._results.diff",
+    "try_load": "labkit._results.tryload",
+    "LoadReport": "labkit._results.tryload",
+    "elastic_rounds": "labkit._results.elastic",
+    "elastic_losses": "labkit._results.elastic",
+    "plot_elastic": "labkit._results.elastic",
+    # diagnosing (labkit/_diagnose/)
+    "doctor": "labkit._diagnose.doctor",
+    "Report": "labkit._diagnose.doctor",
+    "read_trace": "labkit._diagnose.trace",
+    "overlap_ms": "labkit._diagnose.trace",
+    "plot_timeline": "labkit._diagnose.trace",
+    "py_spy_dump": "labkit._diagnose.hang",       # lesson 09: hangs
+    "dump_stack": "labkit._diagnose.hang",
+    "flight_records": "labkit._diagnose.flight",
+    # the machine
     "gpu_count": "labkit._hardware",
     "datasheet_tflops": "labkit._hardware",
-    "read_trace": "labkit._trace",
-    "overlap_ms": "labkit._trace",
-    "plot_timeline": "labkit._trace",
     "is_smoke": "labkit._hardware",
+    # errors
     "LabkitError": "labkit._errors",
     "LaunchError": "labkit._errors",
     "LaunchTimeout": "labkit._errors",
     "ScriptError": "labkit._errors",
     "NoMetricsError": "labkit._errors",
     "RankFailure": "labkit._errors",
-    "Feedback": "labkit._feedback",
-    "hint": "labkit._hints",
-    # lesson 08: Slurm
-    "sbatch": "labkit._slurm",
-    "slurm_status": "labkit._slurm",
-    "SlurmStatus": "labkit._slurm",
-    # lesson 09: hangs and elastic training
-    "py_spy_dump": "labkit._hang",
-    "dump_stack": "labkit._hang",
-    "flight_records": "labkit._flight",
-    "kill_node": "labkit._elastic",
-    "add_node": "labkit._elastic",
-    "elastic_rounds": "labkit._elastic",
-    "elastic_losses": "labkit._elastic",
-    "plot_elastic": "labkit._elastic",
+    # the course's exercises (labkit/_course/; every check_<name> is found by its file name)
+    "Feedback": "labkit._course.feedback",
+    "hint": "labkit._course.hints",
 }
 _SUBMODULES = {"metrics", "data", "models", "checkpoint", "memory", "exercises", "syncbn", "comm"}
 
-# Every exercise's check_<name>, found by its module's file name (labkit/_checks/exNN_<name>.py).
+# Every exercise's check_<name>, found by its module's file name (labkit/_course/checks/exNN_<name>.py).
 __all__ = sorted([*_LAZY, *_SUBMODULES, *_checks.check_names()])
 
 
 def __getattr__(name: str):
     if name in _LAZY or name.startswith("check_") and name in _checks.check_names():
-        value = getattr(importlib.import_module(_LAZY.get(name, "labkit._checks")), name)
+        value = getattr(importlib.import_module(_LAZY.get(name, "labkit._course.checks")), name)
         globals()[name] = value
         return value
     if name in _SUBMODULES:

@@ -55,6 +55,7 @@ SLURM_OUTPUT = "slurm.out"
 #: flight-recorder dump is this prefix followed by its rank.
 FLIGHT_PREFIX = "flight_rank"
 
+_LAYOUT_KEYS = ("rank", "node", "local_rank", "group_rank", "restart", "pid")
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
 _NODE_LOG = re.compile(r"node(\d+)[/\\][^/\\]+[/\\]attempt_(\d+)[/\\](\d+)[/\\]stdout\.log$")
 _RANK_LOG = re.compile(r"attempt_(\d+)[/\\](\d+)[/\\]stdout\.log$")
@@ -183,20 +184,28 @@ def layout_file(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir, PIDS, LAYOUT_FILE)
 
 
-def read_layout(run_dir: str | os.PathLike) -> dict[tuple[int, int, int], dict]:
-    """{(node, restart, local_rank): that line of the layout file} (torn lines skipped)."""
-    found = {}
+def layout_records(run_dir: str | os.PathLike) -> list[dict]:
+    """Every line of the layout file, in the order the ranks wrote them (torn lines skipped):
+    the one reader of that file. A rank's newest process is its last line."""
     try:
         text = layout_file(run_dir).read_text()
     except OSError:
-        return found
+        return []
+    found = []
     for line in text.splitlines():
         try:
             rec = json.loads(line)
-            found[(rec["node"], rec["restart"], rec["local_rank"])] = rec
-        except (ValueError, KeyError, TypeError):
+        except ValueError:
             continue
+        if isinstance(rec, dict) and all(isinstance(rec.get(key), int) for key in _LAYOUT_KEYS):
+            found.append(rec)
     return found
+
+
+def read_layout(run_dir: str | os.PathLike) -> dict[tuple[int, int, int], dict]:
+    """{(node, restart, local_rank): that line of the layout file}; a later line for the same
+    place (an elastic round that reused it) wins."""
+    return {(rec["node"], rec["restart"], rec["local_rank"]): rec for rec in layout_records(run_dir)}
 
 
 def node_rank_logs(run_dir: str | os.PathLike) -> list[tuple[int, int, int, Path]]:

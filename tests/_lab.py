@@ -29,6 +29,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "chromium", "chromium-browser")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -76,16 +78,12 @@ def wait_for(what: str, condition, timeout: float, *, every: float = POLL_S):
 
 def _processes():
     """(pid, working folder, command line) of every process this user may read, but this one."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cwd = Path(os.readlink(entry / "cwd"))
-            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # gone already, or not ours to read
+    for proc in psutil.process_iter(["cwd", "cmdline"]):
+        cwd, args = proc.info["cwd"], " ".join(proc.info["cmdline"] or ())
+        if proc.pid == os.getpid() or cwd is None:  # cwd None: gone already, or not ours to read
             continue
         if args.strip():
-            yield int(entry.name), cwd, args.strip()
+            yield proc.pid, Path(cwd), args.strip()
 
 
 def processes_under(folder: Path) -> list[tuple[int, str]]:

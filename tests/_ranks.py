@@ -5,7 +5,7 @@ gloo group through a FileStore in a fresh temporary folder (no ports, no
 collisions), runs ``target(rank, world_size, *args)``, saves the result with
 ``torch.save`` and leaves with ``os._exit`` after ``destroy_process_group``:
 gloo's worker threads can abort a process during the interpreter's teardown
-("terminate called without an active exception"), see labkit._entry._exit.
+("terminate called without an active exception"), see labkit._rank.entry._exit.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +24,7 @@ def _has_gpu() -> bool:
 
 def _slurm_missing() -> str | None:
     """Why the Slurm tests cannot run here (None: a cluster answers)."""
-    from labkit._slurm import slurm_status
+    from labkit._launch.sbatch import slurm_status
     status = slurm_status()
     return None if status else status.reason  # it says what gives a cluster
 
@@ -51,7 +52,7 @@ def slurm_cluster():
     """The Slurm cluster the tests submit to: the one SLURM_CONF names (``make test-slurm``
     starts a one-host cluster and sets it), or the machine's own. Tests that use it are marked
     ``slurm`` and skipped, with the reason, where none answers."""
-    from labkit._slurm import slurm_status
+    from labkit._launch.sbatch import slurm_status
     status = slurm_status()
     if not status:
         pytest.skip(status.reason)
@@ -90,19 +91,16 @@ def entry_processes(under: Path | None = None) -> list[str]:
     ``under``: only those whose working folder lies there (this test session's temporary
     folder), so that a notebook a developer runs beside the tests does not count.
     """
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     found = []
-    for line in out.splitlines():
-        if "labkit._entry" not in line or "ps -eo" in line:
+    for proc in psutil.process_iter(["cmdline", "cwd"]):
+        args = proc.info["cmdline"] or []
+        if "labkit._rank.entry" not in args:
             continue
         if under is not None:
-            try:
-                cwd = Path(os.readlink(f"/proc/{line.split()[0]}/cwd"))
-            except OSError:  # gone already, or no /proc (macOS): count it only without `under`
+            cwd = proc.info["cwd"]  # None: gone already, or not ours to read
+            if cwd is None or not Path(cwd).is_relative_to(under):
                 continue
-            if not cwd.is_relative_to(under):
-                continue
-        found.append(line)
+        found.append(f"{proc.pid} {' '.join(args)}")
     return found
 
 

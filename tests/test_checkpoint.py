@@ -217,9 +217,9 @@ RESUMABLE = """
 @pytest.mark.launch
 def test_crashed_and_resumed_run_equals_the_uninterrupted_one(workdir, write_script):
     write_script("resumable.py", RESUMABLE)
-    whole = labkit.launch("resumable.py", nproc=2, args=["whole", "0"], quiet=True, timeout=120)
+    whole = labkit.launch("resumable.py", nproc=2, args=["whole", "0"], quiet=True, timeout_s=120)
     drill = labkit.launch("resumable.py", nproc=2, args=["drill", "7"], max_restarts=1,
-                          quiet=True, timeout=120)
+                          quiet=True, timeout_s=120)
     assert whole.status == drill.status == "ok"
     df = drill.metrics()
     assert sorted(df["restart"].unique()) == [0, 1]

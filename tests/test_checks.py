@@ -15,8 +15,8 @@ import textwrap
 import pytest
 
 import labkit
-from labkit import _checks
-from labkit._feedback import MIME, Feedback, _Stop, attempt, check
+from labkit._course import checks as _checks
+from labkit._course.feedback import MIME, Feedback, _Stop, attempt, check
 from conftest import ROOT
 from test_launch import MISMATCH
 
@@ -92,7 +92,7 @@ def test_check_keeps_the_checks_name_signature_and_docstring():
     import inspect
 
     assert _two_phases.__name__ == "_two_phases"
-    assert list(inspect.signature(labkit.check_ddp).parameters) == ["target", "timeout"]
+    assert list(inspect.signature(labkit.check_ddp).parameters) == ["target", "timeout_s"]
     assert labkit.check_ddp.__doc__.startswith("Exercise 02-ddp:")
 
 
@@ -105,7 +105,7 @@ def test_a_stop_outside_a_check_is_a_clear_error_not_a_silent_exit():
 @pytest.mark.launch
 def test_a_run_that_stopped_says_so_instead_of_counting_checks(workdir, write_script):
     write_script("mine.py", "raise RuntimeError('boom')\n")
-    feedback, run = attempt("00-hello", "mine.py", nproc=1, device="cpu", timeout=120)
+    feedback, run = attempt("00-hello", "mine.py", nproc=1, device="cpu", timeout_s=120)
     assert run is None and feedback.stopped and feedback.status == "failed"
     assert "the run stopped before the checks could look at it" in str(feedback)
     assert "Fix what the ✗ line names first. Stuck?" in str(feedback)
@@ -118,7 +118,7 @@ def test_a_run_that_failed_without_an_exception_is_explained_not_summarised(work
     """A collective only rank 0 calls: gloo aborts rank 0 (SIGABRT). The check names the rank,
     the signal, its last output and what to look for, not "torchrun exited with code 1"."""
     write_script("mine.py", MISMATCH.replace("SIZE", "1000"))
-    feedback, run = attempt("02-ddp", "mine.py", nproc=2, device="cpu", timeout=120)
+    feedback, run = attempt("02-ddp", "mine.py", nproc=2, device="cpu", timeout_s=120)
     assert run is None and feedback.stopped and feedback.status == "failed"
     [message] = feedback.messages("fail")
     assert message.startswith("rank 0 failed (exit code -6): killed by SIGABRT; its last output: …")
@@ -137,7 +137,7 @@ def test_a_hang_names_where_each_rank_waited(workdir, write_script):
             dist.all_reduce(torch.ones(1))
         dist.barrier()
     """)
-    feedback, run = attempt("02-ddp", "mine.py", nproc=2, device="cpu", timeout=20)
+    feedback, run = attempt("02-ddp", "mine.py", nproc=2, device="cpu", timeout_s=20)
     assert run is None and feedback.status == "failed"
     [message] = feedback.messages("fail")
     assert message.startswith("the run did not finish within 20 s: rank 0 at mine.py:4 in <module>, "
@@ -219,7 +219,7 @@ def test_a_bad_target_is_a_finding_not_a_crash(name, workdir):
 
 # -- the registry: one module per exercise, found by its name ------------------------------------
 _DEMO = """
-    from labkit._feedback import Feedback, check
+    from labkit._course.feedback import Feedback, check
 
     EXERCISE = "99-demo"
     HINTS = ["a nudge", "all but the answer"]
@@ -238,7 +238,7 @@ def demo_exercise(tmp_path, monkeypatch):
     (tmp_path / "ex99_demo.py").write_text(textwrap.dedent(_DEMO))
     monkeypatch.setattr(_checks, "__path__", [*_checks.__path__, str(tmp_path)])
     yield
-    sys.modules.pop("labkit._checks.ex99_demo", None)
+    sys.modules.pop("labkit._course.checks.ex99_demo", None)
     vars(labkit).pop("check_demo", None)
 
 
@@ -264,7 +264,7 @@ def test_a_module_whose_id_has_another_number_is_refused(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError, match=r"ex98_wrong.py sets EXERCISE = '97-wrong': it should be '98-<id>'"):
             _checks.exercises()
     finally:
-        sys.modules.pop("labkit._checks.ex98_wrong", None)
+        sys.modules.pop("labkit._course.checks.ex98_wrong", None)
 
 
 @pytest.mark.parametrize("which, parsed", [
@@ -294,7 +294,7 @@ def test_every_exercise_notebook_has_its_check_module_and_every_module_a_noteboo
 @pytest.mark.parametrize("name", _checks.check_names())
 def test_every_check_wears_check_so_that_a_stop_ends_it_not_the_notebook(name):
     assert getattr(labkit, name).__code__ is check(lambda: None).__code__, (
-        f"{name} is not decorated with @check (labkit._feedback): a finding that stops it would raise")
+        f"{name} is not decorated with @check (labkit._course.feedback): a finding that stops it would raise")
 
 
 @pytest.mark.parametrize("exercise", list(_checks.exercises()))
@@ -313,9 +313,9 @@ def test_every_hint_a_check_points_to_exists(exercise):
 def test_listing_the_checks_and_reading_the_hints_import_no_torch():
     """A rank imports labkit; a notebook asks for hints: neither may pay for torch or pandas."""
     code = ("import sys, labkit; names = dir(labkit); "
-            "assert not [m for m in sys.modules if m.startswith('labkit._checks.')], 'a check was imported'; "
+            "assert not [m for m in sys.modules if m.startswith('labkit._course.checks.')], 'a check was imported'; "
             "assert 'check_ddp' in names and 'check_ddp' in labkit.__all__; "
-            "from labkit import _checks; _checks.exercises(); labkit.hint('02', 1); "
+            "from labkit._course import checks; checks.exercises(); labkit.hint('02', 1); "
             "heavy = {'torch', 'pandas', 'matplotlib', 'numpy'} & set(sys.modules); "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -7,7 +7,7 @@ import pytest
 
 import labkit
 from labkit import NoMetricsError
-from labkit._compare import EARLY_TOL
+from labkit._results.compare import EARLY_TOL
 from test_run import make_run, rec
 
 matplotlib.use("Agg")

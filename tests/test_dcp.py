@@ -64,7 +64,7 @@ SHARDED = f"""
 def test_dcp_saved_on_two_ranks_loads_on_two_on_one_and_without_a_group(workdir, write_script):
     write_script("sharded.py", SHARDED)
     folder = str(workdir / "dcp")
-    saved = labkit.launch("sharded.py", nproc=2, args=["save", folder], quiet=True, timeout=180)
+    saved = labkit.launch("sharded.py", nproc=2, args=["save", folder], quiet=True, timeout_s=180)
     df = saved.metrics()
     shards = df.dropna(subset=["param_bytes"]).set_index("rank")["param_bytes"]
     whole = memory.model_bytes(MLPStack(dim=DIM, depth=DEPTH)).params
@@ -73,7 +73,7 @@ def test_dcp_saved_on_two_ranks_loads_on_two_on_one_and_without_a_group(workdir,
     on_two = df.dropna(subset=["mismatched"]).iloc[0]
     assert (on_two["tensors"], on_two["mismatched"]) == (2 + 6 * DEPTH + 4, 0)
 
-    one = labkit.launch("sharded.py", nproc=1, args=["load", folder], quiet=True, timeout=180)
+    one = labkit.launch("sharded.py", nproc=1, args=["load", folder], quiet=True, timeout_s=180)
     on_one = one.metrics().dropna(subset=["mismatched"]).iloc[0]
     assert (on_one["tensors"], on_one["mismatched"]) == (on_two["tensors"], 0)
 

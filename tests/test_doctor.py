@@ -40,7 +40,7 @@ def test_smoke_mode_is_visible(monkeypatch, tmp_path):
 
 
 def test_one_gpu_says_that_multi_rank_lessons_use_cpu_ranks(monkeypatch, tmp_path):
-    from labkit import _doctor
+    from labkit._diagnose import doctor as _doctor
 
     monkeypatch.setattr(_hardware, "gpus", lambda: [_hardware.Gpu(0, "Fake", 16384)])
     monkeypatch.setattr(_doctor, "_driver_cuda", lambda: None)
@@ -72,7 +72,7 @@ def test_cuda_visible_devices_is_applied(monkeypatch):
 
 
 def test_by_default_cifar_is_looked_for_where_the_lessons_keep_it(monkeypatch, tmp_path):
-    from labkit import _doctor
+    from labkit._diagnose import doctor as _doctor
 
     monkeypatch.chdir(tmp_path)  # e.g. `make doctor` at the course's root
     lessons = tmp_path / "course"
@@ -90,7 +90,7 @@ def test_by_default_cifar_is_looked_for_where_the_lessons_keep_it(monkeypatch, t
     (None, "12.4", "info", ""),
 ])
 def test_the_driver_is_compared_with_pytorchs_cuda(build, driver, status, words):
-    from labkit._doctor import cuda_driver_check
+    from labkit._diagnose.doctor import cuda_driver_check
 
     check = cuda_driver_check(build, driver)
     assert check.status == status and words in check.value + check.advice
@@ -107,12 +107,13 @@ def test_the_seat_check_launches_a_real_all_reduce(monkeypatch, tmp_path):
 
 
 def test_a_seat_whose_launch_fails_gets_a_warning(monkeypatch):
-    from labkit import _launch, LaunchError
+    from labkit import LaunchError
+    from labkit._launch import launch as _launch
 
     def broken(*args, **kwargs):
         raise LaunchError("rank 0 failed: RuntimeError: connection refused\nHINT: a firewall?")
     monkeypatch.setattr(_launch, "launch", broken)
-    check = labkit._doctor.launch_check()
+    check = labkit._diagnose.doctor.launch_check()
     assert check.status == "warn" and "connection refused" in check.advice
 
 
@@ -129,7 +130,7 @@ def test_the_course_environment_is_this_courses_labkit(monkeypatch):
     from conftest import ROOT
 
     monkeypatch.chdir(ROOT / "notebooks")  # where a lesson's kernel runs
-    check = labkit._doctor.environment_check()
+    check = labkit._diagnose.doctor.environment_check()
     assert check.status == "ok" and "labkit from this course's folder" in check.value, check
 
 
@@ -137,7 +138,7 @@ def test_a_kernel_with_another_copys_labkit_gets_a_warning(monkeypatch, tmp_path
     other = _copy_of_the_course(tmp_path / "my-course")
     (other / "notebooks").mkdir()
     monkeypatch.chdir(other / "notebooks")  # this course's lessons, but labkit comes from elsewhere
-    check = labkit._doctor.environment_check()
+    check = labkit._diagnose.doctor.environment_check()
     assert check.status == "warn", check
     assert f"not from {other}" in check.value and "`make lab`" in check.advice
     assert not labkit.doctor(data_dir=tmp_path).ok, "make doctor fails on it"
@@ -145,7 +146,7 @@ def test_a_kernel_with_another_copys_labkit_gets_a_warning(monkeypatch, tmp_path
 
 def test_outside_a_course_there_is_nothing_to_compare(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    check = labkit._doctor.environment_check()
+    check = labkit._diagnose.doctor.environment_check()
     assert check.status == "info" and "not run from inside a course folder" in check.advice
 
 
@@ -155,7 +156,7 @@ def test_another_environments_labkit_is_caught_in_a_real_kernel(tmp_path):
 
     other = tmp_path / "elsewhere"
     shutil.copytree(ROOT / "labkit", other / "labkit", ignore=shutil.ignore_patterns("__pycache__"))
-    code = ("import labkit, labkit._doctor as d; c = d.environment_check(); "
+    code = ("import labkit, labkit._diagnose.doctor as d; c = d.environment_check(); "
             "print(labkit.__file__); print(c.status); print(c.value)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "notebooks", capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(other)}, timeout=60, check=True).stdout.splitlines()
@@ -171,7 +172,7 @@ def test_another_environments_labkit_is_caught_in_a_real_kernel(tmp_path):
     (None, "unknown (no CPU flags to read); PyTorch's CPU kernels use AVX512", ""),
 ])
 def test_cpu_bf16_row_says_what_the_cpu_offers(flags, value, advice):
-    from labkit._doctor import cpu_bf16_check
+    from labkit._diagnose.doctor import cpu_bf16_check
 
     row = cpu_bf16_check(flags, "AVX512")
     assert row.what == "CPU bf16" and row.value == value and row.status == "info"

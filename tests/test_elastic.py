@@ -13,8 +13,9 @@ import json
 import pytest
 
 import labkit
-from labkit import _elastic, _rundir
-from labkit._plan import plan
+from labkit import _rundir
+from labkit._launch import elastic as _elastic
+from labkit._launch.plan import plan
 from test_nodes import nothing_left
 
 # Trains until it has done argv[2] steps in a round that resumed on 2 ranks (the world grew back).
@@ -150,7 +151,7 @@ def _rounds_resume_where_they_should(run):
 def test_a_node_dies_the_job_goes_on_a_node_joins_and_it_finishes(workdir, write_script):
     write_script("elastic.py", ELASTIC)
     run = labkit.launch("elastic.py", nproc=1, nnodes=2, min_nodes=1, max_restarts=3, device="cpu",
-                        args=["ckpt", "10"], timeout=400,
+                        args=["ckpt", "10"], timeout_s=400,
                         events=[labkit.kill_node(1, at_step=7), labkit.add_node(world_size=1)])
     assert run.status == "ok" and run.info["returncodes"][0] == 0 and run.info["returncodes"][2] == 0
     assert run.info["returncodes"][1] == -9  # killed on purpose: not a failure
@@ -170,7 +171,7 @@ def test_killing_the_store_host_ends_the_job_however_many_nodes_survive(workdir,
     write_script("elastic.py", ELASTIC)
     with pytest.raises(labkit.LaunchError) as caught:
         labkit.launch("elastic.py", nproc=1, nnodes=2, min_nodes=1, max_restarts=3, device="cpu",
-                      args=["ckpt", "100000"], timeout=400,  # the last round never ends by itself
+                      args=["ckpt", "100000"], timeout_s=400,  # the last round never ends by itself
                       events=[labkit.kill_node(1, at_step=7), labkit.add_node(world_size=1),
                               labkit.kill_node(0, world_size=2)])
     run = caught.value.run
@@ -184,7 +185,7 @@ def test_killing_the_store_host_ends_the_job_however_many_nodes_survive(workdir,
 def test_a_log_written_again_from_the_start_is_read_again(tmp_path):
     """When a node joins, torchrun restarts the workers with the same restart count, so the
     new worker writes the same attempt's stdout.log afresh: its lines must not be lost."""
-    from labkit._tail import LineTail
+    from labkit._launch.tail import LineTail
     log = tmp_path / "stdout.log"
     log.write_text("old line one\nold line two, which is longer\n")
     tail = LineTail(log)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import LaunchError, LaunchTimeout, RankFailure
-from labkit._errors import failure_hint, timeout_hint
+from labkit._launch.failures import failure_hint, timeout_hint
 
 ABORT_TAIL = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
               "  what():  [enforce fail at gloo/transport/tcp/pair.cc:464] op.preamble.length <= "
@@ -105,8 +105,8 @@ def ipython_output(cell: str) -> str:
 
 
 CALL_THROUGH_THE_WRAPPER = """
-from labkit._errors import hide_labkit_frames
-from labkit._plan import refuse_keywords
+from labkit._launch.tracebacks import hide_labkit_frames
+from labkit._launch.plan import refuse_keywords
 
 def stop(error):
     try:

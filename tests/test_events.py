@@ -1,4 +1,4 @@
-"""launch(events=[...], hang_timeout=...): what labkit does to a run while it runs (lesson 09).
+"""launch(events=[...], hang_timeout_s=...): what labkit does to a run while it runs (lesson 09).
 
 At the door: events are checked before anything starts. Progress: how far a run has got,
 read from its folder. Real launches: a hang is stopped after seconds of silence with every
@@ -13,7 +13,8 @@ import time
 import pytest
 
 import labkit
-from labkit import LaunchTimeout, _events, _rundir
+from labkit import LaunchTimeout, _rundir
+from labkit._launch import events as _events
 from test_nodes import nothing_left
 
 HANG = """
@@ -46,27 +47,27 @@ def test_events_are_checked_before_anything_runs(workdir, write_script):
         ("not a list", TypeError, "events must be a list of labkit events"),
         ([object()], TypeError, "events must hold labkit events"),
         ([labkit.py_spy_dump(after_quiet_s=5)], ValueError,
-         r"py_spy_dump\(after_quiet_s=5\) would come after the run is stopped \(hang_timeout/timeout "
+         r"py_spy_dump\(after_quiet_s=5\) would come after the run is stopped \(hang_timeout_s/timeout_s "
          r"4 s\). HINT: a smaller after_quiet_s"),
     ]
     for events, error, match in cases:
         with pytest.raises(error, match=match):
-            labkit.launch("ok.py", nproc=1, events=events, hang_timeout=4)
+            labkit.launch("ok.py", nproc=1, events=events, hang_timeout_s=4)
     spy = labkit.py_spy_dump(after_quiet_s=1)
     with pytest.raises(ValueError, match="the same event object is listed twice"):
-        labkit.launch("ok.py", nproc=1, events=[spy, spy], hang_timeout=4)
+        labkit.launch("ok.py", nproc=1, events=[spy, spy], hang_timeout_s=4)
     assert not (workdir / "runs").exists()
 
 
 @pytest.mark.parametrize("hang_timeout, match", [
-    (0, "hang_timeout must be a positive number of seconds or None, got 0"),
-    (float("inf"), "HINT: hang_timeout=None means no limit"),
-    ("5", "hang_timeout must be a positive number"),
+    (0, "hang_timeout_s must be a positive number of seconds or None, got 0"),
+    (float("inf"), "HINT: hang_timeout_s=None means no limit"),
+    ("5", "hang_timeout_s must be a positive number"),
 ])
 def test_a_bad_hang_timeout_is_refused(workdir, write_script, hang_timeout, match):
     write_script("ok.py", "print('hi')\n")
     with pytest.raises(ValueError, match=match):
-        labkit.launch("ok.py", nproc=1, hang_timeout=hang_timeout)
+        labkit.launch("ok.py", nproc=1, hang_timeout_s=hang_timeout)
 
 
 def test_an_event_that_fired_cannot_be_used_again(workdir, write_script):
@@ -121,17 +122,17 @@ def test_rank_output_counts_as_speaking(tmp_path):
 # -- real launches ----------------------------------------------------------------------------
 @pytest.mark.launch
 def test_a_hang_is_stopped_after_seconds_of_silence_with_every_ranks_stack(workdir, write_script):
-    """The collective timeout is 10 minutes; hang_timeout stops the run after 3 s of silence,
+    """The collective timeout is 10 minutes; hang_timeout_s stops the run after 3 s of silence,
     however long the start-up took, names where each rank waits, and leaves nothing behind.
     py-spy, an event of the same launch, reads the same lines from outside."""
     write_script("hang.py", HANG)
     spy = labkit.py_spy_dump(after_quiet_s=1.5)
     start = time.monotonic()
     with pytest.raises(LaunchTimeout) as caught:
-        labkit.launch("hang.py", nproc=2, device="cpu", hang_timeout=3, timeout=300, events=[spy])
+        labkit.launch("hang.py", nproc=2, device="cpu", hang_timeout_s=3, timeout_s=300, events=[spy])
     err = caught.value
     assert time.monotonic() - start < 120
-    assert "no rank printed or logged anything for 3 s (hang_timeout), so it was stopped as hung" in str(err)
+    assert "no rank printed or logged anything for 3 s (hang_timeout_s), so it was stopped as hung" in str(err)
     assert "inside all_reduce" in err.stacks[0] and "inside barrier" in err.stacks[1]
     assert err.last_steps == {0: 1, 1: 2}  # rank 0 waits in step 2, rank 1 ran ahead
     assert "the ranks wait in different places" in err.hint
@@ -150,7 +151,7 @@ def test_a_hang_is_stopped_after_seconds_of_silence_with_every_ranks_stack(workd
 def test_a_flight_record_is_dumped_into_the_run_folder_and_read_back(workdir, write_script):
     write_script("hang.py", HANG)
     with pytest.raises(labkit.LaunchError) as caught:
-        labkit.launch("hang.py", nproc=2, device="cpu", timeout=300,
+        labkit.launch("hang.py", nproc=2, device="cpu", timeout_s=300,
                       env={"PG_S": "3", "TORCH_FR_BUFFER_SIZE": "16"})
     err = caught.value
     assert sorted(_rundir.flight_files(err.run.run_dir)) == [0, 1]

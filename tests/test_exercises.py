@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from labkit import exercises
-from labkit._feedback import MIME
+from labkit._course.feedback import MIME
 from conftest import ROOT, copy_folder, execute
 
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -303,9 +303,9 @@ def test_restore_takes_the_newest_hand_out_commit(learners_copy):
 
 
 def test_restore_outside_a_course_says_where_to_go(tmp_path, monkeypatch):
-    from labkit import _course
+    from labkit._course import exercises as course_exercises
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(_course, "package_root", lambda: tmp_path)  # a labkit installed elsewhere
+    monkeypatch.setattr(course_exercises, "package_root", lambda: tmp_path)  # a labkit installed elsewhere
     with pytest.raises(FileNotFoundError, match=r"is not inside a copy of the course.*HINT: cd into"):
         exercises.restore("02")

@@ -55,8 +55,8 @@ def test_no_dump_says_how_to_get_one(tmp_path):
 
 
 def test_a_launch_points_pytorchs_dump_prefix_into_the_run_folder(tmp_path, monkeypatch):
-    from labkit._launch import rank_env
-    from labkit._plan import Plan
+    from labkit._launch.command import rank_env
+    from labkit._launch.plan import Plan
     p = Plan("x.py", 2, "cpu", 1, (), None, 0)
     run_dir = _rundir.create(tmp_path, "fr")
     env = rank_env(p, run_dir, None)

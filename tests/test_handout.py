@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import handout
+from labkit._course import handout
 from labkit.handout import File
 from conftest import ROOT
 
@@ -276,7 +276,7 @@ def test_a_name_the_hand_out_cuts_must_still_be_there():
 
 def test_the_last_hint_in_a_hand_out_does_not_point_to_solutions(tmp_path, monkeypatch):
     import labkit
-    from labkit import _course
+    from labkit._course import folder as _course
 
     (tmp_path / "labkit").mkdir()
     (tmp_path / "labkit" / "__init__.py").write_text("")

@@ -10,36 +10,8 @@ import textwrap
 import pytest
 
 import labkit
-from labkit import _hang
-
-DUMP = """\
-Process 4242: /venv/bin/python -u -m labkit._entry scripts/09_hang.py --steps 5
-Python v3.11.7 (/usr/bin/python3.11)
-
-Thread 4242 (idle): "MainThread"
-    all_reduce (torch/distributed/distributed_c10d.py:3913)
-    _exception_logger.<locals>.wrapper (torch/distributed/c10d_logger.py:83)
-    train_step (09_hang.py:29)
-    <module> (09_hang.py:39)
-    _run_code (<frozen runpy>:88)
-    main (labkit/_entry.py:211)
-Thread 4250 (idle): "labkit-watch"
-    _watch (labkit/_entry.py:46)
-    Thread.run (threading.py:982)
-"""
-
-
-def test_where_a_rank_waits_is_read_from_a_dump():
-    assert _hang.where(DUMP, "scripts/09_hang.py") == (
-        "scripts/09_hang.py:29 in train_step, inside all_reduce (distributed_c10d.py)")
-    assert _hang.where(DUMP, "scripts/other.py") is None
-
-
-def test_a_dump_is_shown_down_to_the_scripts_outermost_frame():
-    shown = _hang.excerpt(DUMP, "scripts/09_hang.py")
-    assert shown[0].startswith("Process 4242") and shown[-1].strip() == "<module> (09_hang.py:39)"
-    assert not any("labkit-watch" in line or "runpy" in line for line in shown)
-
+from labkit._diagnose import hang as _hang
+from labkit._diagnose.stacks import PY_SPY, where
 
 def _fake_py_spy(tmp_path, monkeypatch, output: str, code: int) -> None:
     exe = tmp_path / "py-spy"
@@ -89,7 +61,7 @@ def test_py_spy_reads_a_running_process(tmp_path):
         except PermissionError as err:
             pytest.skip(f"py-spy may not attach here: {err}")
         assert "wait_here (sleeper.py:" in dump
-        assert _hang.where(dump, str(script)).startswith(f"{script}:5 in wait_here")
+        assert where(dump, str(script), PY_SPY).startswith(f"{script}:5 in wait_here")
     finally:
         proc.kill()
         proc.wait()

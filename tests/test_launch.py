@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import labkit
-from labkit import LaunchError, LaunchTimeout, ScriptError, _hardware, _proc
-from labkit._plan import _written_scripts, plan
+from labkit import LaunchError, LaunchTimeout, ScriptError, _hardware
+from labkit._rank import proc as _proc
+from labkit._launch.plan import _written_scripts, plan
 from conftest import python
 
 HELLO = """
@@ -117,17 +118,37 @@ def test_unknown_option(workdir, write_script):
 
 
 def test_nproc_and_nprocs_mixed_up_say_which_function_takes_which(workdir, write_script):
+    """One spelling, nproc: an int for launch, a list of world sizes for sweep."""
     write_script("ok.py", "print('hi')\n")
     with pytest.raises(TypeError, match=r"launch\(\) takes nproc=<int> \(one launch\); for several "
-                                        r"world sizes use labkit.sweep\(script, nprocs="):
+                                        r"world sizes use labkit.sweep\(script, nproc=\[1, 2"):
         labkit.launch("ok.py", nprocs=[1, 2])
-    with pytest.raises(TypeError, match=r"sweep\(\) takes nprocs=\[...\].*for one run use "
+    with pytest.raises(TypeError, match=r"sweep\(\) got an unexpected keyword argument 'nprocs': did "
+                                        r"you mean nproc=\?"):
+        labkit.sweep("ok.py", nprocs=[1, 2])
+    with pytest.raises(TypeError, match=r"sweep's nproc must be a list of ints.*HINT: for one run use "
                                         r"labkit.launch\(script, nproc=2\)"):
         labkit.sweep("ok.py", nproc=2)
     assert no_run_started(workdir)
     # the public signatures still show the real parameters
     assert "nproc" in inspect.signature(labkit.launch).parameters
-    assert "nprocs" in inspect.signature(labkit.sweep).parameters
+    assert "nproc" in inspect.signature(labkit.sweep).parameters
+
+
+@pytest.mark.parametrize("call, old, new", [
+    (lambda **kw: labkit.launch("ok.py", **kw), "timeout", "timeout_s"),
+    (lambda **kw: labkit.launch("ok.py", **kw), "hang_timeout", "hang_timeout_s"),
+    (lambda **kw: labkit.sweep("ok.py", nproc=[1], **kw), "timeout", "timeout_s"),
+    (lambda **kw: labkit.sbatch("ok.sbatch", **kw), "timeout", "timeout_s"),
+    (lambda **kw: labkit.slurm_status(**kw), "timeout", "timeout_s"),
+    (lambda **kw: labkit.check_ddp("ok.py", **kw), "timeout", "timeout_s"),
+])
+def test_a_renamed_keyword_says_its_new_name(workdir, write_script, call, old, new):
+    """Every time argument ends in _s: an old name gets a did-you-mean, before anything runs."""
+    write_script("ok.py", "print('hi')\n")
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{old}': did you mean {new}=\?"):
+        call(**{old: 60})
+    assert no_run_started(workdir)
 
 
 def test_a_notebook_is_not_a_script(workdir):
@@ -167,7 +188,7 @@ def test_far_more_cpu_ranks_than_cores_is_refused(workdir, write_script, monkeyp
                                          r"launches at most 4 CPU ranks per core \(8 here\).*HINT: nproc=2"):
         labkit.launch("ok.py", nproc=64, device="cpu")
     with pytest.raises(ValueError, match="nproc=9 CPU ranks"):
-        labkit.sweep("ok.py", nprocs=[1, 9], device="cpu")
+        labkit.sweep("ok.py", nproc=[1, 9], device="cpu")
     assert no_run_started(workdir)
     assert plan("ok.py", nproc=8, device="cpu").nproc == 8  # milder oversubscription: a note only
 
@@ -175,11 +196,11 @@ def test_far_more_cpu_ranks_than_cores_is_refused(workdir, write_script, monkeyp
 @pytest.mark.parametrize("kwargs, match", [
     ({"args": "--epochs 2"}, "args must be a list of strings"),
     ({"args": [["--epochs"]]}, "args must hold strings"),
-    ({"timeout": 0}, "timeout must be a positive number"),
-    ({"timeout": "10"}, "timeout must be a positive number"),
-    ({"timeout": float("nan")}, "timeout must be a positive number of seconds or None, got nan"),
-    ({"timeout": -5}, "timeout must be a positive number"),
-    ({"timeout": float("inf")}, r"got inf. HINT: timeout=None means no limit"),
+    ({"timeout_s": 0}, "timeout_s must be a positive number"),
+    ({"timeout_s": "10"}, "timeout_s must be a positive number"),
+    ({"timeout_s": float("nan")}, "timeout_s must be a positive number of seconds or None, got nan"),
+    ({"timeout_s": -5}, "timeout_s must be a positive number"),
+    ({"timeout_s": float("inf")}, r"got inf. HINT: timeout_s=None means no limit"),
     ({"max_restarts": -1}, "max_restarts must be >= 0"),
     ({"threads_per_rank": 0}, "threads_per_rank must be >= 1"),
     ({"name": "  "}, "name must be a non-empty string"),
@@ -204,20 +225,20 @@ def test_unwritable_run_folder(workdir, write_script):
 
 def test_sweep_with_duplicate_world_sizes(workdir, write_script):
     write_script("ok.py", "print('hi')\n")
-    with pytest.raises(ValueError, match=r"nprocs has duplicates: \[1, 2, 1\]. HINT: name each "
+    with pytest.raises(ValueError, match=r"nproc has duplicates: \[1, 2, 1\]. HINT: name each "
                                          r"world size once; repeats=3 already runs each"):
-        labkit.sweep("ok.py", nprocs=[1, 2, 1], device="cpu")
+        labkit.sweep("ok.py", nproc=[1, 2, 1], device="cpu")
     assert no_run_started(workdir)
 
 
 def test_sweep_with_an_empty_list(workdir, write_script):
     write_script("ok.py", "print('hi')\n")
-    with pytest.raises(ValueError, match="nprocs is empty"):
-        labkit.sweep("ok.py", nprocs=[])
-    with pytest.raises(TypeError, match="nprocs must be a list of ints"):
-        labkit.sweep("ok.py", nprocs=2)
+    with pytest.raises(ValueError, match="nproc is empty"):
+        labkit.sweep("ok.py", nproc=[])
+    with pytest.raises(TypeError, match="sweep's nproc must be a list of ints"):
+        labkit.sweep("ok.py", nproc=2)
     with pytest.raises(ValueError, match="repeats must be an int >= 1"):
-        labkit.sweep("ok.py", nprocs=[1], repeats=0)
+        labkit.sweep("ok.py", nproc=[1], repeats=0)
     assert no_run_started(workdir)
 
 
@@ -296,7 +317,7 @@ def test_two_ranks_succeed_with_metrics_and_prefixed_output(workdir, write_scrip
     write_script("hello.py", HELLO)
     commit = git_repo(workdir)
     before = time.time()
-    run = labkit.launch("hello.py", nproc=2, args=["--greeting", "hi"], timeout=120)
+    run = labkit.launch("hello.py", nproc=2, args=["--greeting", "hi"], timeout_s=120)
     after = time.time()
     out = capsys.readouterr().out
     assert run.returncode == 0 and run.status == "ok"
@@ -326,7 +347,7 @@ def test_two_ranks_succeed_with_metrics_and_prefixed_output(workdir, write_scrip
 
 def test_run_json_names_torch_with_its_build_without_importing_torch():
     """The package metadata says "2.14.1"; a reference run needs "2.14.1+cu130" or "+cpu"."""
-    probe = ("import sys; from labkit._launch import _versions; v = _versions(); "
+    probe = ("import sys; from labkit._launch.command import _versions; v = _versions(); "
              "print(v['torch'], 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.split() == [torch.__version__, "False"]
@@ -343,7 +364,7 @@ def test_a_rank_that_raises_is_named_first(workdir, write_script):
     """)
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 1 failed \(exit code 1\): ValueError: rank 1 is unhappy") as info:
-        labkit.launch("fail.py", nproc=2, timeout=120)
+        labkit.launch("fail.py", nproc=2, timeout_s=120)
     assert time.monotonic() - start < 30
     err = info.value
     assert err.failures[0].rank == 1 and not err.failures[0].secondary
@@ -363,7 +384,7 @@ def test_a_rank_that_raises_is_named_first(workdir, write_script):
 def test_a_collective_only_rank_0_calls_is_named_as_a_mismatch(workdir, write_script):
     write_script("mismatch.py", MISMATCH.replace("SIZE", "1000"))
     with pytest.raises(LaunchError, match=r"rank 0 failed \(exit code -6\): killed by SIGABRT") as info:
-        labkit.launch("mismatch.py", nproc=2, timeout=120)
+        labkit.launch("mismatch.py", nproc=2, timeout_s=120)
     err = info.value
     assert "Is there a distributed collective mismatch" in err.failures[0].output_tail
     assert "its last output:" in str(err) and "collective mismatch in your code?" in str(err)
@@ -377,7 +398,7 @@ def test_a_collective_only_rank_0_calls_is_named_as_a_mismatch(workdir, write_sc
 def test_a_rank_left_waiting_by_a_peer_that_finished_is_not_called_the_root_cause(workdir, write_script):
     write_script("mismatch.py", MISMATCH.replace("SIZE", "4"))
     with pytest.raises(LaunchError) as info:
-        labkit.launch("mismatch.py", nproc=2, timeout=120)
+        labkit.launch("mismatch.py", nproc=2, timeout_s=120)
     err = info.value
     assert [(f.rank, f.secondary) for f in err.failures] == [(0, True)]
     assert "rank 1 done" in err.run.output(1)
@@ -395,7 +416,7 @@ def test_a_bad_script_option_shows_the_scripts_own_message(workdir, write_script
         parser.parse_args()
     """)
     with pytest.raises(LaunchError, match=r"SystemExit") as info:
-        labkit.launch("opts.py", nproc=1, args=["--lr", "2"], timeout=60)
+        labkit.launch("opts.py", nproc=1, args=["--lr", "2"], timeout_s=60)
     assert "unrecognized arguments: --lr 2" in info.value.failures[0].output_tail
     assert "exited on purpose" in str(info.value)
 
@@ -415,7 +436,7 @@ def test_a_hang_becomes_a_timeout_that_says_where_each_rank_was(workdir, write_s
     """)
     start = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:  # 20 s: time for both ranks to start on a busy machine
-        labkit.launch("hang.py", nproc=2, timeout=20)
+        labkit.launch("hang.py", nproc=2, timeout_s=20)
     assert time.monotonic() - start < 20 + 10
     err = info.value
     assert err.last_steps == {0: 1, 1: 0}
@@ -455,7 +476,7 @@ def test_a_rank_ended_by_sigterm_keeps_the_metrics_it_logged(workdir, write_scri
             time.sleep(300)
     """)
     with pytest.raises(LaunchError) as info:
-        labkit.launch("terminated.py", nproc=2, timeout=60)
+        labkit.launch("terminated.py", nproc=2, timeout_s=60)
     run = info.value.run
     assert "killed by SIGTERM" in str(info.value)
     logged = run.metrics()
@@ -469,7 +490,7 @@ def test_a_rank_ends_like_python_but_skips_the_final_teardown(workdir, write_scr
 
     The teardown is where gloo's worker threads, freeing a finished collective,
     abort the process ("terminate called without an active exception"): see
-    labkit._entry._exit. A module global's __del__ runs only in that teardown.
+    labkit._rank.entry._exit. A module global's __del__ runs only in that teardown.
     """
     write_script("ending.py", """
         import atexit, pathlib, threading, time
@@ -487,7 +508,7 @@ def test_a_rank_ends_like_python_but_skips_the_final_teardown(workdir, write_scr
         threading.Thread(target=late_write).start()
         print("script done")
     """)
-    run = labkit.launch("ending.py", nproc=1, timeout=60)
+    run = labkit.launch("ending.py", nproc=1, timeout_s=60)
     assert run.status == "ok" and "script done" in run.output(0)
     assert (workdir / "atexit-ran").exists(), "atexit handlers must still run"
     assert (workdir / "thread-finished").exists(), "non-daemon threads must be waited for"
@@ -506,7 +527,7 @@ def test_a_rank_whose_thread_pool_is_never_shut_down_still_ends(workdir, write_s
         json.kept_pool = ThreadPoolExecutor(max_workers=2)  # held by a module, as a library holds it
         print("answer", json.kept_pool.submit(lambda: 6 * 7).result())
     """)
-    run = labkit.launch("pool.py", nproc=1, timeout=60)
+    run = labkit.launch("pool.py", nproc=1, timeout_s=60)
     assert run.status == "ok" and "answer 42" in run.output(0)
 
 
@@ -519,10 +540,10 @@ def test_a_ranks_exit_code_is_kept(workdir, write_script, code):
         sys.exit({code})
     """)
     if code == 0:
-        assert labkit.launch("leave.py", nproc=1, timeout=60).returncode == 0
+        assert labkit.launch("leave.py", nproc=1, timeout_s=60).returncode == 0
     else:
         with pytest.raises(LaunchError, match=f"exited with code {code}"):
-            labkit.launch("leave.py", nproc=1, timeout=60)
+            labkit.launch("leave.py", nproc=1, timeout_s=60)
 
 
 @pytest.mark.launch
@@ -540,7 +561,7 @@ def test_restarts_resume_and_are_stamped(workdir, write_script):
         metrics.log(restart, total=t.item())
         dist.destroy_process_group()
     """)
-    run = labkit.launch("flaky.py", nproc=2, max_restarts=1, timeout=120)
+    run = labkit.launch("flaky.py", nproc=2, max_restarts=1, timeout_s=120)
     df = run.metrics()
     assert run.status == "ok"
     assert sorted(df["restart"].unique()) == [0, 1]

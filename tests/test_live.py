@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from labkit import _live
-from labkit._live import LiveView
+from labkit._launch import live as _live
+from labkit._launch.live import LiveView
 
 
 class Clock:

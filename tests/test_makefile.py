@@ -23,8 +23,8 @@ CPU = "torch==2.14.1 torchvision==0.29.1 --index-url https://download.pytorch.or
 
 @pytest.fixture
 def seat(tmp_path):
-    """A course folder with the real Makefile and pyproject.toml, and a stub .venv."""
-    for name in ("Makefile", "pyproject.toml"):
+    """A course folder with the real Makefile, pyproject.toml and lock, and a stub .venv."""
+    for name in ("Makefile", "pyproject.toml", "requirements.lock"):
         shutil.copy(ROOT / name, tmp_path / name)
     python = tmp_path / ".venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
@@ -45,9 +45,30 @@ def set_up(seat: Path, *variables: str) -> list[str]:
 
 def test_the_set_up_installs_the_pinned_torch_then_the_course(seat):
     assert set_up(seat) == ["-m pip install --upgrade pip",
-                            "-m pip install torch==2.14.1 torchvision==0.29.1",
-                            "-m pip install -e .[test]"]
+                            "-m pip install -c requirements.lock torch==2.14.1 torchvision==0.29.1",
+                            "-m pip install -c requirements.lock -e .[test]"]
     assert set_up(seat) == [], "done once, it is not done again"
+
+
+def test_a_torch_with_its_own_index_is_pinned_from_the_next_step_on(seat):
+    """The CPU index holds other versions of torch's dependencies than PyPI: its step is not
+    held to the lock, the course's step is, and that brings every package to its locked version."""
+    assert set_up(seat, f"TORCH={CPU}")[1:] == [f"-m pip install {CPU}",
+                                               "-m pip install -c requirements.lock -e .[test]"]
+
+
+def test_without_a_lock_the_set_up_still_works(seat):
+    (seat / "requirements.lock").unlink()
+    assert set_up(seat)[1:] == ["-m pip install torch==2.14.1 torchvision==0.29.1",
+                                "-m pip install -e .[test]"]
+
+
+def test_make_lock_writes_the_lock_with_the_courses_python(seat):
+    subprocess.run([MAKE, "-C", str(seat), "lock"], check=True, capture_output=True, timeout=60)
+    assert (seat / ".venv" / "commands.log").read_text().splitlines() == ["tools/lock.py requirements.lock"]
+    (seat / ".venv" / "bin" / "python").unlink()
+    out = subprocess.run([MAKE, "-C", str(seat), "lock"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "no .venv yet: run make test first" in out.stderr
 
 
 def test_a_newer_file_with_the_same_content_installs_nothing(seat):
@@ -63,19 +84,24 @@ def test_a_newer_file_with_the_same_content_installs_nothing(seat):
 def test_a_changed_pyproject_or_torch_installs_again(seat):
     set_up(seat)
     pyproject = seat / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('"tqdm",', '"tqdm",\n    "rich",'))
-    assert set_up(seat) == ["-m pip install --upgrade pip", "-m pip install torch==2.14.1 torchvision==0.29.1",
-                            "-m pip install -e .[test]"]
+    pyproject.write_text(pyproject.read_text().replace('"pandas",', '"pandas",\n    "rich",'))
+    assert set_up(seat) == ["-m pip install --upgrade pip",
+                            "-m pip install -c requirements.lock torch==2.14.1 torchvision==0.29.1",
+                            "-m pip install -c requirements.lock -e .[test]"]
     assert set_up(seat) == []
     assert set_up(seat, f"TORCH={CPU}")[1] == f"-m pip install {CPU}", "TORCH reaches pip word for word"
     assert set_up(seat, f"TORCH={CPU}") == []
+    lock = seat / "requirements.lock"
+    lock.write_text(lock.read_text().replace("pandas==", "pandas==0"))
+    assert len(set_up(seat, f"TORCH={CPU}")) == 3, "a new lock installs again"
 
 
 def test_a_wheelhouse_is_installed_from_alone(seat):
     assert set_up(seat, "WHEELS=/media/usb/wheelhouse") == [
         "-m pip install --upgrade --no-index --find-links /media/usb/wheelhouse pip",
-        "-m pip install --no-index --find-links /media/usb/wheelhouse torch==2.14.1 torchvision==0.29.1",
-        "-m pip install --no-index --find-links /media/usb/wheelhouse -e .[test]"]
+        "-m pip install --no-index --find-links /media/usb/wheelhouse -c requirements.lock "
+        "torch==2.14.1 torchvision==0.29.1",
+        "-m pip install --no-index --find-links /media/usb/wheelhouse -c requirements.lock -e .[test]"]
 
 
 def test_make_wheelhouse_downloads_torch_from_its_index_and_the_rest_from_pypi(seat):
@@ -83,21 +109,21 @@ def test_make_wheelhouse_downloads_torch_from_its_index_and_the_rest_from_pypi(s
                    capture_output=True, timeout=60)
     assert (seat / ".venv" / "commands.log").read_text().splitlines() == [
         f"-m pip download -d wheelhouse {CPU}",
-        "-m pip download -d wheelhouse --find-links wheelhouse pip setuptools>=77 "
-        "torch==2.14.1 torchvision==0.29.1 .[test]"]
+        "-m pip download -d wheelhouse --find-links wheelhouse -c requirements.lock pip "
+        "setuptools>=77 torch==2.14.1 torchvision==0.29.1 .[test]"]
 
 
 def test_make_lab_passes_the_cpu_wheels_through(seat):
     """`make -n` prints what `make lab` would run, without running it."""
     out = subprocess.run([MAKE, "-n", "-C", str(seat), "lab", f"TORCH={CPU}"], check=True,
                          capture_output=True, text=True, timeout=60).stdout
-    assert f".venv/bin/python -m pip install  {CPU}" in out
+    assert f".venv/bin/python -m pip install   {CPU}" in out
     assert ".venv/bin/jupyter lab --ServerApp.root_dir=." in out
 
 
 def test_make_reads_the_makefile_without_a_warning(seat):
     """Two recipes for one target (a merge can leave both) make GNU make warn and silently run
     only the last: every target the README or CI names must be defined once."""
-    out = subprocess.run([MAKE, "-C", str(seat), "-n", "test", "test-browser", "test-slurm", "lab"],
+    out = subprocess.run([MAKE, "-C", str(seat), "-n", "test", "test-browser", "test-slurm", "lab", "lock"],
                          capture_output=True, text=True, timeout=60)
     assert "warning" not in out.stderr.lower(), out.stderr

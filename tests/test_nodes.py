@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 
 import labkit
-from labkit import LaunchError, LaunchTimeout, _hardware, _nodes, _proc
-from labkit._plan import plan
+from labkit import LaunchError, LaunchTimeout, _hardware
+from labkit._launch import agents as _nodes
+from labkit._rank import proc as _proc
+from labkit._launch.plan import plan
 from conftest import python
 
 LAYOUT = """
@@ -134,7 +136,7 @@ def test_a_taken_port_is_recognised_in_the_store_hosts_log(tmp_path):
 
 def test_an_agents_end_of_run_noise_stays_out_of_the_cell(tmp_path):
     """The agent that did not host the store says, at a normal end, that the store went away."""
-    from labkit._supervise import Streams
+    from labkit._launch.streams import Streams
 
     (tmp_path / "torchrun-node1.log").write_text(
         "[W1124 22:55:50.069039490 TCPStore.cpp:115] [c10d] recvVector failed on SocketImpl(fd=3): "
@@ -164,7 +166,7 @@ def test_two_nodes_of_two_ranks_each(workdir, write_script, capsys, monkeypatch)
     real = _nodes.free_port
     monkeypatch.setattr(_nodes, "free_port", lambda: next(ports, None) or real())
     try:
-        run = labkit.launch("layout.py", nproc=2, nnodes=2, device="cpu", timeout=180)
+        run = labkit.launch("layout.py", nproc=2, nnodes=2, device="cpu", timeout_s=180)
     finally:
         taken.close()
     out = capsys.readouterr().out
@@ -203,7 +205,7 @@ def test_a_rank_that_raises_on_the_second_node_is_named_and_nothing_waits_for_it
     """)
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 1 failed \(exit code 1\): ValueError: rank 1 is unhappy") as info:
-        labkit.launch("fail.py", nproc=1, nnodes=2, device="cpu", timeout=240)
+        labkit.launch("fail.py", nproc=1, nnodes=2, device="cpu", timeout_s=240)
     assert time.monotonic() - start < 90
     err = info.value
     assert err.failures[0].rank == 1 and 'File "fail.py", line 6' in err.failures[0].traceback
@@ -215,7 +217,7 @@ def test_a_rank_that_raises_on_the_second_node_is_named_and_nothing_waits_for_it
 def test_a_hang_across_nodes_becomes_a_timeout(workdir, write_script):
     write_script("sleeper.py", SLEEPER)
     with pytest.raises(LaunchTimeout) as info:
-        labkit.launch("sleeper.py", nproc=1, nnodes=2, device="cpu", timeout=30)
+        labkit.launch("sleeper.py", nproc=1, nnodes=2, device="cpu", timeout_s=30)
     err = info.value
     assert err.last_steps == {0: 0, 1: 1}
     assert err.stacks[0].startswith("sleeper.py:6 in <module>")
@@ -255,7 +257,7 @@ def test_no_rank_and_no_agent_outlives_the_launcher(workdir, write_script, sig):
 def test_a_sweep_refuses_bad_nnodes_before_any_run(workdir, write_script, nnodes, error):
     write_script("ok.py", "print('hi')\n")
     with pytest.raises(error, match="nnodes must be"):
-        labkit.sweep("ok.py", nprocs=[1, 2], nnodes=nnodes, repeats=1)
+        labkit.sweep("ok.py", nproc=[1, 2], nnodes=nnodes, repeats=1)
     assert not (workdir / "runs").exists()
 
 
@@ -271,7 +273,7 @@ def test_a_sweep_on_two_nodes(workdir, write_script):
             metrics.log(step, loss=1.0, samples=8)
         dist.destroy_process_group()
     """)
-    result = labkit.sweep("steps.py", nprocs=[1], nnodes=2, repeats=1, device="cpu", timeout=180)
+    result = labkit.sweep("steps.py", nproc=[1], nnodes=2, repeats=1, device="cpu", timeout_s=180)
     [run] = result.runs
     assert run.nnodes == 2 and run.world_size == 2 and run.name.endswith("-2nodes")
     table = result.table()
@@ -311,12 +313,11 @@ def test_a_launcher_killed_before_any_rank_started_leaves_no_agent(workdir, writ
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_an_agent_waiting_for_a_peer_that_never_comes_dies_with_its_launcher(workdir, write_script):
     """No rank of its own yet, so no rank's watchdog to end it: torchrun would wait 600 s in the
-    rendezvous. labkit._agent asks Linux to kill it with its launcher."""
+    rendezvous. labkit._rank.agent asks Linux to kill it with its launcher."""
     write_script("ok.py", "print('hi')\n")
     launcher = python("""
         import os, sys, time
         from pathlib import Path
-        from labkit import _nodes, _proc
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_nodes.free_port()}",
                 "--rdzv-id=alone", "ok.py"]

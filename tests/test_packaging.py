@@ -57,3 +57,53 @@ def test_make_and_conda_pin_the_same_torch():
     conda_pins = {r.split("#")[0].strip() for r in pip if r.startswith("torch")}
     assert pins == conda_pins, (pins, conda_pins)
     assert {p.split("==")[0] for p in pins} == {"torch", "torchvision"}
+
+
+# -- the lock: the tested set-up, pinned for a room of seats ------------------------------------
+def _lock() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version and " " not in line, f"requirements.lock: {line!r} is not name==version"
+            pins[_name(name).replace("_", "-")] = version
+    return pins
+
+
+def test_the_lock_pins_the_tested_torch_and_every_direct_dependency():
+    pins = _lock()
+    make_pin = re.search(r"^TORCH\s*\?=\s*(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    for pin in make_pin.split():
+        name, version = pin.split("==")
+        assert pins.get(name) == version, f"the Makefile installs {pin}, the lock says {pins.get(name)}"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    direct = {_name(r).replace("_", "-") for r in project["dependencies"] + project["optional-dependencies"]["test"]}
+    assert direct - set(pins) == set(), "a dependency of pyproject.toml is not in requirements.lock: make lock"
+    assert "tqdm" not in pins and "labkit" not in pins
+
+
+def test_the_makefile_installs_through_the_lock_and_make_lock_writes_it():
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^LOCK\s*:=\s*requirements\.lock$", makefile, re.M)
+    assert "$(PY) -m pip install $(PIP_FROM) $(PIN) -e \".[test]\"" in makefile
+    assert re.search(r"^lock:\n(\t.*\n)*\t\$\(PY\) tools/lock\.py \$\(LOCK\)$", makefile, re.M)
+
+
+def test_the_installed_set_up_is_the_locked_one():
+    """What this environment installed for the course is what the lock says (a package upgraded
+    by hand, or a lock not regenerated after an upgrade, shows here): `make lock` after the
+    tests pass with new versions."""
+    import importlib.util
+    from importlib import metadata
+
+    spec = importlib.util.spec_from_file_location("lock", ROOT / "tools" / "lock.py")
+    lock = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lock)
+    installed = lock.installed_closure(lock.direct_requirements())
+    installed.pop("labkit", None)
+    pins = _lock()
+    unpinned = sorted(set(installed) - set(pins))
+    assert not unpinned, f"installed for the course but not in requirements.lock: {unpinned}"
+    differ = {name: (version, pins[name]) for name, version in installed.items() if pins[name] != version}
+    assert not differ, f"installed version != locked version: {differ}. HINT: make lock"
+    assert metadata.version("torch").split("+")[0] == pins["torch"]

@@ -7,7 +7,7 @@ import pytest
 
 import labkit
 from labkit import NoMetricsError
-from labkit._plots import metric_curve
+from labkit._results.plots import metric_curve
 from test_run import make_run, rec
 
 matplotlib.use("Agg")

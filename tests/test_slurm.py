@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import labkit
-from labkit import LaunchError, LaunchTimeout, _slurm
+from labkit import LaunchError, LaunchTimeout
+from labkit._launch import sbatch as _slurm
 from _lab import processes_under
 from conftest import ROOT, execute, python
 
@@ -49,7 +50,7 @@ def test_the_cluster_has_two_nodes(slurm_cluster):
 
 def test_the_lessons_job_runs_one_torchrun_per_node(slurm_cluster, lesson):
     run = labkit.sbatch("scripts/08_job.sbatch", nodes=2, args=TINY + ["--epochs", "1"],
-                        timeout=300)
+                        timeout_s=300)
     out = run.output()
     assert run.status == "ok" and run.info["slurm"]["state"] == "COMPLETED"
     # srun started one task per node, and \$SLURM_PROCID was each task's own.
@@ -71,7 +72,7 @@ def test_usr1_requeues_the_job_and_it_resumes_from_its_checkpoint(slurm_cluster,
     args = TINY + ["--epochs", "3", "--ckpt-every", "4", "--out-dir", "out/requeue"]
     result = {}
     worker = threading.Thread(target=lambda: result.update(run=labkit.sbatch(
-        "scripts/08_job.sbatch", nodes=2, args=args, timeout=400, quiet=True)))
+        "scripts/08_job.sbatch", nodes=2, args=args, timeout_s=400, quiet=True)))
     worker.start()
     deadline = time.monotonic() + 300
     job = None
@@ -109,7 +110,7 @@ def test_a_failing_job_is_a_launch_error(slurm_cluster, write_script):
         exit 3
     """)
     with pytest.raises(LaunchError, match=r"Slurm job \d+ ended FAILED \(exit code 3:0\)"):
-        labkit.sbatch("fail.sbatch", nodes=1, timeout=120, quiet=True)
+        labkit.sbatch("fail.sbatch", nodes=1, timeout_s=120, quiet=True)
 
 
 def test_a_timeout_cancels_the_job_and_leaves_nothing(slurm_cluster, write_script, workdir):
@@ -118,7 +119,7 @@ def test_a_timeout_cancels_the_job_and_leaves_nothing(slurm_cluster, write_scrip
         srun sleep 300
     """)
     with pytest.raises(LaunchTimeout, match=r"passed its timeout of 5 s and was cancelled \(CANCELLED"):
-        labkit.sbatch("sleep.sbatch", nodes=2, timeout=5, quiet=True)
+        labkit.sbatch("sleep.sbatch", nodes=2, timeout_s=5, quiet=True)
     assert not nothing_left(workdir)
 
 

@@ -9,8 +9,14 @@ import time
 
 import pytest
 
-from labkit import _slurm, _slurm_cluster
-from labkit._slurm_cluster import OneHostCluster, config_text
+import psutil
+
+from conftest import ROOT
+from labkit._launch import sbatch as _slurm
+
+sys.path.insert(0, str(ROOT / "tools"))  # test tooling, beside the tests: tools/slurm_cluster.py
+import slurm_cluster as _slurm_cluster  # noqa: E402
+from slurm_cluster import OneHostCluster, config_text  # noqa: E402
 
 #: Ports apart from make test-slurm's own cluster (17000-17002), which may be running.
 PORTS = dict(ctld_port=17010, node_ports=(17011, 17012))
@@ -126,7 +132,8 @@ def test_the_manager_killed_outright_takes_its_daemons_along(tmp_path):
     if _slurm_cluster.missing() or os.geteuid() != 0:
         pytest.skip("needs Slurm and munge installed and root (make test-slurm installs them)")
     manager = subprocess.Popen(
-        [sys.executable, "-c", "import time; from labkit._slurm_cluster import OneHostCluster; "
+        [sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(ROOT / 'tools')!r}); "
+         "from slurm_cluster import OneHostCluster; "
          f"c = OneHostCluster(ctld_port=17020, node_ports=(17021, 17022), folder={str(tmp_path)!r}); "
          "c.start(); print(*c.pids.values(), flush=True); time.sleep(300)"],
         stdout=subprocess.PIPE, text=True)
@@ -151,34 +158,33 @@ def _step(pids) -> tuple[int, int]:
 
 def _cmdline(pid: int) -> str:
     try:
-        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return ""
 
 
 def _alive(pid: int) -> bool:
     try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    return state != "Z"
 
 
 def test_a_jobs_processes_are_found_by_the_variable_they_carry(monkeypatch):
     """slurmstepd leaves slurmd's process tree: the cluster finds its processes by SLURM_CONF."""
-    from labkit import _proc
+    from labkit._launch.procs import processes_with_env
 
-    marker = f"SLURM_CONF=/tmp/labkit-test-{os.getpid()}/slurm.conf"
-    monkeypatch.setenv("SLURM_CONF", marker.split("=", 1)[1])  # this process carries it too
-    child = subprocess.Popen(["sleep", "30"], env={"SLURM_CONF": marker.split("=", 1)[1]})
+    conf = f"/tmp/labkit-test-{os.getpid()}/slurm.conf"
+    monkeypatch.setenv("SLURM_CONF", conf)  # this process carries it too
+    child = subprocess.Popen(["sleep", "30"], env={"SLURM_CONF": conf})
     try:
-        found = _proc.marked_processes(marker.encode())
+        found = processes_with_env("SLURM_CONF", conf)
         assert child.pid in found and os.getpid() not in found  # never the caller, nor its parents
         assert os.getppid() not in found
     finally:
         child.kill()
         child.wait()
-    assert child.pid not in _proc.marked_processes(marker.encode())
+    assert child.pid not in processes_with_env("SLURM_CONF", conf)
 
 
 def _fake_slurm(folder, *, scontrol: str) -> None:
@@ -201,7 +207,7 @@ def test_sbatch_streams_the_jobs_output_and_reads_its_end(monkeypatch, workdir, 
     _fake_slurm(tmp_path, scontrol='echo "JobId=42 JobState=COMPLETED Reason=None ExitCode=0:0"')
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     (workdir / "job.sbatch").write_text("#!/bin/bash\necho hi\n")
-    run = _slurm.sbatch("job.sbatch", nodes=2, timeout=30)
+    run = _slurm.sbatch("job.sbatch", nodes=2, timeout_s=30)
     out = capsys.readouterr().out
     assert "$ sbatch --parsable --nodes=2 --job-name=job --output=" in out
     assert "[job 42] hello from the job" in out and "✓ job 42: COMPLETED on 2 node(s)" in out
@@ -218,4 +224,4 @@ def test_a_job_slurm_no_longer_knows_is_reported_not_waited_for(monkeypatch, wor
     from labkit import LaunchError
 
     with pytest.raises(LaunchError, match=r"Slurm job 42 ended UNKNOWN"):
-        _slurm.sbatch("job.sbatch", nodes=1, timeout=30, quiet=True)
+        _slurm.sbatch("job.sbatch", nodes=1, timeout_s=30, quiet=True)

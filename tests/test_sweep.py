@@ -23,7 +23,7 @@ TINY = """
 @pytest.mark.launch
 def test_sweep_table_speedup_and_reload(workdir, write_script):
     write_script("tiny.py", TINY)
-    sweep = labkit.sweep("tiny.py", nprocs=[2, 1], repeats=1, timeout=120)
+    sweep = labkit.sweep("tiny.py", nproc=[2, 1], repeats=1, timeout_s=120)
     table = sweep.table()
     assert list(table["nproc"]) == [1, 2]
     assert table["speedup"].iloc[0] == 1.0 and table["efficiency"].iloc[0] == 1.0
@@ -46,7 +46,7 @@ def test_sweep_table_speedup_and_reload(workdir, write_script):
 @pytest.mark.launch
 def test_a_sweep_too_short_to_time_still_returns_its_runs(workdir, write_script, capsys):
     write_script("short.py", TINY.replace("range(8)", "range(1)"))
-    sweep = labkit.sweep("short.py", nprocs=[1], repeats=1, timeout=120)
+    sweep = labkit.sweep("short.py", nproc=[1], repeats=1, timeout_s=120)
     assert len(sweep.runs) == 1 and "no throughput" in capsys.readouterr().out
     with pytest.raises(labkit.LabkitError, match="steady"):
         sweep.table()
@@ -58,7 +58,7 @@ def test_a_failed_run_hands_back_the_runs_before_it(workdir, write_script):
                                           'dist.init_process_group("gloo")\n'
                                           '    if dist.get_world_size() == 2: raise RuntimeError("boom")'))
     with pytest.raises(labkit.LaunchError) as caught:
-        labkit.sweep("flaky.py", nprocs=[1, 2], repeats=1, timeout=120)
+        labkit.sweep("flaky.py", nproc=[1, 2], repeats=1, timeout_s=120)
     assert [run.nproc for run in caught.value.sweep.runs] == [1]
 
 

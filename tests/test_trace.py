@@ -1,4 +1,4 @@
-"""labkit._trace: a profiler trace read into a table, overlaps measured, a timeline drawn.
+"""labkit._diagnose.trace: a profiler trace read into a table, overlaps measured, a timeline drawn.
 
 The unit tests use small Chrome traces written here, shaped like the ones kineto writes. The
 launch test profiles real DDP steps on 2 gloo ranks: the bytes counted from the trace are
@@ -15,7 +15,7 @@ import matplotlib
 import pytest
 
 import labkit
-from labkit import _trace
+from labkit._diagnose import trace as _trace
 
 matplotlib.use("Agg")
 

@@ -70,7 +70,7 @@ NAIVE = f"""
 @pytest.mark.launch
 def test_rank_0s_fsdp_state_dict_holds_its_shards_only(workdir, write_script, capfd):
     write_script("naive.py", NAIVE)
-    run = labkit.launch("naive.py", nproc=2, args=[str(workdir / "naive.pt")], quiet=True, timeout=180)
+    run = labkit.launch("naive.py", nproc=2, args=[str(workdir / "naive.pt")], quiet=True, timeout_s=180)
     held = run.metrics().dropna(subset=["held"]).set_index("rank")["held"]
     capfd.readouterr()
     found = labkit.try_load(workdir / "naive.pt", MLPStack(dim=DIM, depth=DEPTH))

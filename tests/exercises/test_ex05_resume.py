@@ -32,7 +32,7 @@ test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_re
 
 
 def test_check_resume_asks_for_a_script_not_a_finished_run(workdir):
-    from labkit._run import Run
+    from labkit._results.run import Run
 
     feedback = labkit.check_resume(Run(workdir, {"name": "earlier"}))
     assert feedback.status == "failed" and "pass the script's path" in feedback.messages("fail")[0]

@@ -8,7 +8,7 @@ import json
 import pytest
 
 import labkit
-from labkit._checks import ex06_fsdp
+from labkit._course.checks import ex06_fsdp
 from mistakes import Mistake, each_named_by, solution_script
 
 NOTEBOOK = "06_fsdp.ipynb"
@@ -77,7 +77,7 @@ def test_check_fsdps_byte_model_is_what_fsdp_holds_where_rows_do_not_divide(work
     """3 ranks: 64, 256 and 10 rows split unevenly. The check's arithmetic must match FSDP's."""
     (workdir / "scripts").mkdir()
     (workdir / "scripts" / "ex06.py").write_text(solution_script(NOTEBOOK))
-    run = labkit.launch("scripts/ex06.py", nproc=3, device="cpu", timeout=180, quiet=True)
+    run = labkit.launch("scripts/ex06.py", nproc=3, device="cpu", timeout_s=180, quiet=True)
     held = run.metrics().dropna(subset=["measured_params"]).set_index("rank")
     for rank in range(3):
         truth = ex06_fsdp._fsdp_bytes(64, 4, 3, rank)
@@ -88,7 +88,7 @@ def test_check_fsdps_byte_model_is_what_fsdp_holds_where_rows_do_not_divide(work
 
 def _fsdp_run(folder, *, units="1111", root=True, skip_rank_1_measurement=False):
     """A finished 2-rank Run of exercise 06, written by hand with the numbers FSDP holds."""
-    from labkit._run import Run
+    from labkit._results.run import Run
 
     (folder / "metrics").mkdir(parents=True)
     for rank in range(2):

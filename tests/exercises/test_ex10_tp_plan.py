@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import labkit
-from labkit._checks import ex10_tp_plan
+from labkit._course.checks import ex10_tp_plan
 from mistakes import Mistake, each_named_by
 
 NOTEBOOK = "10_parallelisms.ipynb"
@@ -46,7 +46,7 @@ test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_tp
 def _run(folder, *, gap=1e-7, forward=2, backward=4, placements=("Shard(dim=0)",) * 2 + ("Shard(dim=1)",),
          predicted=(2, 4, 4096), device="cpu"):
     """A finished 2-rank Run of exercise 10, written by hand."""
-    from labkit._run import Run
+    from labkit._results.run import Run
 
     (folder / "metrics").mkdir(parents=True)
     for rank in range(2):

@@ -1,0 +1,102 @@
+"""Exercise 01-loop: a correct training loop, an honest logging window, and a learning-rate search.
+
+Two CPU ranks that share no gradients: each trains with its own learning rate from ``--lrs``,
+and at the end one collective tells every rank which rate won. The check reads the script's
+settings from what its skeleton logs at step 0.
+"""
+
+from __future__ import annotations
+
+from labkit._course.checks._common import _config, _last, _metrics
+from labkit._course.feedback import Feedback, check, launched
+
+EXERCISE = "01-loop"
+
+HINTS = [
+    "Gradients add up in .grad until something clears them. Clear them once per step, "
+    "before loss.backward(), with optimizer.zero_grad(set_to_none=True).",
+    "BatchNorm updates its running statistics on every forward pass in training mode. "
+    "Testing must not: model.eval() before the test loop, model.train() after it, and "
+    "torch.no_grad() around it so that no graph is built.",
+    "A window is --log-every steps: log its mean loss, (window_loss / args.log_every).item(), "
+    "and its samples, args.log_every * args.batch_size. To compare the ranks: results = "
+    "[None] * world_size; dist.all_gather_object(results, (accuracy, lr)); then max(results).",
+]
+
+#: The settings the skeleton logs at step 0 (its argparse defaults, unless the check passes others).
+SETTINGS = ["lrs", "epochs", "batch_size", "log_every", "train_size"]
+
+
+@check
+def check_training_loop(target="scripts/ex01_loop.py", *, timeout_s: float = 300) -> Feedback:
+    """Exercise 01-loop: a correct training step, evaluation that changes nothing, honest
+    logging windows, and every rank agreeing on the best learning rate (2 CPU ranks)."""
+    feedback, run = launched(EXERCISE, target, nproc=2, device="cpu", timeout_s=timeout_s, name="check-01-loop")
+    df = _metrics(feedback, run, ["lr", "test_acc", "best_lr", *SETTINGS])
+    setting = _config(df, SETTINGS)
+    rates = [float(lr) for lr in str(setting["lrs"]).split()]
+    _own_rates(feedback, _last(df, "lr"), rates, setting["lrs"])
+    _windows(feedback, df, setting)
+    _evaluation(feedback, df)
+    _winner(feedback, df, rates)
+    return feedback
+
+
+def _own_rates(feedback: Feedback, lrs: dict, rates: list[float], given: str) -> None:
+    """Rank r trains with the r-th rate of --lrs."""
+    feedback.expect(all(lrs[r] == rates[r] for r in lrs),
+                    "each rank trains with its own learning rate",
+                    "rank(s) " + ", ".join(f"{r} trained with lr {lrs[r]:g}" for r in lrs if lrs[r] != rates[r])
+                    + f" (--lrs {given}): pick args.lrs[rank].")
+
+
+def _windows(feedback: Feedback, df, setting: dict) -> None:
+    """Every --log-every steps a window: its samples, enough of them, and a loss that falls."""
+    if "loss" not in df.columns or "samples" not in df.columns:
+        feedback.stop("no window was logged: every --log-every steps, metrics.log(step, "
+                      "loss=..., samples=...).", hint=3)
+    windows = df.dropna(subset=["loss"])
+    log_every, batch_size = int(setting["log_every"]), int(setting["batch_size"])
+    per_window = log_every * batch_size
+    bad_samples = sorted(set(windows["samples"].dropna()) - {per_window})
+    feedback.expect(not bad_samples and windows["samples"].notna().all(),
+                    f"each window logs the {per_window} samples it processed ({log_every} steps × batch "
+                    f"{batch_size})",
+                    f"a window logged samples={bad_samples or 'nothing'}; it processed "
+                    f"log_every × batch_size = {per_window}.", hint=3)
+    steps = int(setting["epochs"]) * (int(setting["train_size"]) // batch_size)  # the loader drops the last
+    counts = windows.groupby("rank").size()
+    feedback.expect(counts.min() >= steps // log_every, f"{counts.min()} windows per rank: enough to time honestly",
+                    f"only {counts.min()} windows on a rank: log one every --log-every steps.", hint=3)
+    lrs = _last(df, "lr")
+    best_rank = max(lrs, key=lambda r: lrs[r])  # the larger rate trains further in 3 epochs
+    curve = windows[windows["rank"] == best_rank]["loss"].to_numpy()
+    first, last = curve[:3].mean(), curve[-3:].mean()
+    feedback.expect(last < first - 0.2, f"the loss falls ({first:.2f} → {last:.2f} at lr {lrs[best_rank]:g})",
+                    f"at lr {lrs[best_rank]:g} the loss went from {first:.2f} to {last:.2f}: does every "
+                    f"step clear the old gradients (optimizer.zero_grad) before loss.backward(), "
+                    f"and call optimizer.step() after it?", hint=1)
+
+
+def _evaluation(feedback: Feedback, df) -> None:
+    """Testing leaves BatchNorm's running statistics alone, and training mode comes back."""
+    evals = df.dropna(subset=["bn_changed"])
+    feedback.expect(not evals["bn_changed"].astype(bool).any(),
+                    "testing leaves BatchNorm's running statistics alone (model.eval())",
+                    "testing changed BatchNorm's running statistics: call model.eval() before it.", hint=2)
+    feedback.expect(evals["training_after_eval"].astype(bool).all(),
+                    "the model is back in training mode after testing",
+                    "the model stayed in evaluation mode after testing: call model.train() after it.", hint=2)
+
+
+def _winner(feedback: Feedback, df, rates: list[float]) -> None:
+    """Every rank names the rate with the best test accuracy, found with one collective."""
+    accs = _last(df, "test_acc")
+    winner = rates[max(accs, key=lambda r: accs[r])]
+    best = _last(df, "best_lr")
+    scores = ", ".join(f"lr {rates[r]:g}: {accs[r]:.1%}" for r in sorted(accs))
+    feedback.expect(all(v == winner for v in best.values()),
+                    f"every rank names lr {winner:g} as the winner ({scores})",
+                    "the ranks name " + ", ".join(f"rank {r}: {v:g}" for r, v in best.items())
+                    + f" but lr {winner:g} won: gather every rank's result (dist.all_gather_object) "
+                      "and take the best on every rank.", hint=3)

@@ -1,0 +1,307 @@
+"""What a check says to a learner: a list of findings, each right, wrong or not done yet.
+
+``labkit.check_*`` functions (one module per exercise in ``labkit._course.checks``) build a
+Feedback. In Jupyter it shows as a short list with a verdict and a pointer to the hints; it also
+carries a small JSON part (``application/vnd.labkit.feedback+json``) that the course's tests read
+from executed notebooks, so a solution's checks can be asserted without an ``assert`` in the
+notebook.
+
+A check is a few phases, one function each, run in order. Each phase adds findings
+(``ok``, ``fail``, ``todo``, ``expect``). A finding after which the rest cannot be judged ends
+the check: ``feedback.stop(text)`` records it as a ✗ and stops, ``feedback.require(condition,
+right, wrong)`` stops only when the condition fails, and ``feedback.stop()`` without a text stops
+on the findings already made. The check function wears ``@check``, which catches that stop
+signal, once, and returns the Feedback as it stands. ``launched`` launches the script and ends the
+check when the launch fails (``attempt``'s findings say why: a TODO, a rank's exception, a hang)::
+
+    EXERCISE = "09-demo"
+
+    @check
+    def check_demo(target="scripts/ex09_demo.py", *, timeout_s: float = 180) -> Feedback:
+        feedback, run = launched(EXERCISE, target, timeout_s=timeout_s, name="check-09-demo", **_ranks(2))
+        df = _metrics(feedback, run, ["loss"])         # stops by itself when a column is missing
+        _the_loss_falls(feedback, df)
+        return feedback
+
+    def _the_loss_falls(feedback: Feedback, df) -> None:
+        first, last = df["loss"].iloc[0], df["loss"].iloc[-1]
+        feedback.require(last < first, f"the loss falls ({first:.2f} → {last:.2f})",
+                         "the loss never falls: is optimizer.step() called?", hint=1)
+        ...                                            # runs only when the loss fell
+
+The signal (``_Stop``) is private: a check never catches it, and nothing outside ``@check``
+raises it.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+from labkit._errors import LaunchError, LaunchTimeout, ScriptError
+from labkit._launch.plan import refuse_keywords, renamed
+
+MIME = "application/vnd.labkit.feedback+json"
+_MARK = {"ok": "✓", "fail": "✗", "todo": "…"}
+_COLOR = {"ok": "#1a7f37", "fail": "#cf222e", "todo": "#9a6700"}
+_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+@dataclass
+class Feedback:
+    """The findings of one check, in the order they were made.
+
+    Attributes:
+        exercise: the exercise's id, e.g. ``"02-ddp"``.
+        items: ``(status, text)`` pairs; status is ``"ok"``, ``"fail"`` or ``"todo"``.
+        run: the Run that was checked, when there was one.
+        failure: the root-cause RankFailure when a rank stopped with an exception (a check
+            may read its traceback to name a likelier cause).
+        hints: for each item, the number of the hint about it (``labkit.hint``), or None.
+        stopped: the launch did not succeed, so nothing of the run was checked.
+    """
+
+    exercise: str
+    items: list = field(default_factory=list)
+    run: object = None
+    failure: object = field(default=None, repr=False)
+    hints: list = field(default_factory=list, repr=False)
+    stopped: bool = False
+
+    def _add(self, status: str, text: str, hint: int | None) -> None:
+        self.items.append((status, text))
+        self.hints.append(hint)
+
+    def ok(self, text: str, *, hint: int | None = None) -> None:
+        self._add("ok", text, hint)
+
+    def fail(self, text: str, *, hint: int | None = None) -> None:
+        self._add("fail", text, hint)
+
+    def todo(self, text: str, *, hint: int | None = None) -> None:
+        self._add("todo", text, hint)
+
+    def expect(self, condition: bool, right: str, wrong: str, *, hint: int | None = None) -> bool:
+        """Record ``right`` if ``condition`` holds, else ``wrong``; return the condition.
+
+        ``hint``: the number of the hint that helps with what ``wrong`` names.
+        """
+        (self.ok if condition else self.fail)(right if condition else wrong, hint=hint)
+        return bool(condition)
+
+    def require(self, condition: bool, right: str, wrong: str, *, hint: int | None = None) -> None:
+        """``expect``, and when ``condition`` fails the check ends after ``wrong``: what it would
+        look at next cannot be judged without this (only inside a ``@check`` function)."""
+        if not self.expect(condition, right, wrong, hint=hint):
+            raise _Stop(self)
+
+    def stop(self, text: str | None = None, *, hint: int | None = None) -> NoReturn:
+        """End the check here: with ``text`` as a ✗ finding, or, without it, on the findings
+        already made (e.g. ``attempt``'s, when the launch failed). Only inside a ``@check`` function."""
+        if text is not None:
+            self.fail(text, hint=hint)
+        raise _Stop(self)
+
+    @property
+    def status(self) -> str:
+        """``"passed"``, ``"failed"`` (something is wrong) or ``"unfinished"`` (a TODO is left)."""
+        states = {status for status, _ in self.items}
+        if "fail" in states:
+            return "failed"
+        if "todo" in states or not self.items:
+            return "unfinished"
+        return "passed"
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def messages(self, status: str | None = None) -> list[str]:
+        """The texts of the findings (of one status, if given)."""
+        return [text for s, text in self.items if status is None or s == status]
+
+    def _verdict(self) -> str:
+        done = sum(1 for s, _ in self.items if s == "ok")
+        if self.status == "failed" and self.stopped:
+            return "the run stopped before the checks could look at it; read why below."
+        return {"passed": f"all {done} checks pass. Well done.",
+                "failed": f"{done} of {len(self.items)} checks pass; read what is wrong below.",
+                "unfinished": "not finished yet."}[self.status]
+
+    def _hint_line(self) -> str:
+        """Points to the hint about the first thing that is wrong or unfinished, else hint 1 (after
+        the error itself, when the run crashed)."""
+        if self.passed:
+            return ""
+        numbers = [n for (status, _), n in zip(self.items, self.hints) if status != "ok" and n]
+        if numbers:
+            return (f"Stuck? labkit.hint({self.exercise!r}, {numbers[0]}) is about the first thing "
+                    f"to fix above.")
+        first = f"Stuck? labkit.hint({self.exercise!r}, 1) gives a first hint."
+        if self.stopped and self.status == "failed":  # a crash: its message says more than hint 1
+            return f"Fix what the {_MARK['fail']} line names first. " + first
+        return first
+
+    def __str__(self) -> str:
+        lines = [f"Exercise {self.exercise}: {self._verdict()}"]
+        lines += [f"  {_MARK[s]} {text}" for s, text in self.items]
+        if self._hint_line():
+            lines.append(self._hint_line())
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<li style='list-style:none;color:{_COLOR[s]}'>{_MARK[s]} "
+            f"<span style='color:inherit'>{html.escape(text)}</span></li>" for s, text in self.items)
+        hint = f"<p><i>{html.escape(self._hint_line())}</i></p>" if self._hint_line() else ""
+        return (f"<div><b>Exercise {html.escape(self.exercise)}</b>: {html.escape(self._verdict())}"
+                f"<ul style='padding-left:0.5em'>{rows}</ul>{hint}</div>")
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        return {"text/plain": str(self), "text/html": self._repr_html_(),
+                MIME: {"exercise": self.exercise, "status": self.status,
+                       "items": [list(item) for item in self.items]}}
+
+
+class _Stop(BaseException):
+    """The stop signal: a finding ended the check. Raised by ``Feedback.stop`` and
+    ``Feedback.require``, caught by ``@check`` and nowhere else (a BaseException, as pytest's
+    outcomes are, so that a check's ``except Exception`` cannot swallow it)."""
+
+    def __init__(self, feedback: Feedback):
+        super().__init__(f"a check of exercise {feedback.exercise} stopped outside a @check function")
+        self.feedback = feedback
+
+
+def check(function):
+    """Decorate a check: a finding that ends it (``Feedback.stop``, ``Feedback.require``) returns
+    the Feedback from here, with every finding made so far. See the module's docstring.
+
+    An old keyword gets a did-you-mean: ``check_ddp(target, timeout=300)`` says ``timeout_s``.
+    """
+
+    @refuse_keywords(**renamed(function.__name__, timeout="timeout_s"))
+    @functools.wraps(function)
+    def checked(*args, **kwargs) -> Feedback:
+        try:
+            return function(*args, **kwargs)
+        except _Stop as stop:
+            return stop.feedback
+
+    return checked
+
+
+def _where(failure, script: str) -> str:
+    """' (scripts/ex.py, line 42)' from the last frame of the script in a traceback."""
+    found = [m for m in _LINE.finditer(failure.traceback or "")
+             if os.path.abspath(m["file"]) == os.path.abspath(script)]
+    return f" ({script}, line {found[-1]['line']})" if found else ""
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _stopped(feedback: Feedback, checked_before: bool):
+    """(feedback, None) for a launch that did not succeed: nothing of this run can be checked."""
+    feedback.stopped = not checked_before
+    return feedback, None
+
+
+def attempt(exercise: str | Feedback, target, **launch_options):
+    """Launch the learner's script (or take a finished Run) for a check.
+
+    ``exercise``: the exercise's id (a new Feedback is made), or the Feedback of a check
+    that launches more than once, to add this launch's findings to.
+
+    Returns ``(feedback, run)``. ``run`` is None when the launch did not succeed; the
+    feedback then already says why, in words: a target that is not a script, a TODO not
+    done yet, a syntax error, a rank's exception (its traceback is in the output above; the
+    root cause is kept in ``feedback.failure``), a rank killed by a signal or left without
+    its peers (with its last output and what that usually means, e.g. a collective that
+    only some ranks call), a hang (where each rank waited).
+    """
+    from labkit._launch.launch import launch
+    from labkit._results.run import Run
+
+    feedback = exercise if isinstance(exercise, Feedback) else Feedback(exercise)
+    before = bool(feedback.items)
+    if isinstance(target, Run):
+        feedback.run = target
+        return feedback, target
+    try:
+        script = os.fspath(target)
+    except TypeError:
+        feedback.fail(f"a check takes the path of your script (the file that the %%writefile cell "
+                      f"wrote), not {type(target).__name__} {target!r}.")
+        return _stopped(feedback, before)
+    if os.path.isdir(script):
+        feedback.fail(f"{script} is a folder: pass the path of the script that the %%writefile "
+                      f"cell wrote.")
+        return _stopped(feedback, before)
+    if not script.endswith(".py"):  # launch would refuse it with a ValueError
+        from labkit._launch.plan import _written_scripts
+
+        written = _written_scripts(Path(script)) if script.endswith(".ipynb") else []
+        feedback.fail(f"{script} is not a Python script: pass the path of the .py file that the "
+                      f"%%writefile cell wrote" + (f", e.g. {written[0]}." if written else "."))
+        return _stopped(feedback, before)
+    try:
+        run = launch(script, **launch_options)
+    except FileNotFoundError:
+        folder = os.path.dirname(script)
+        if folder and not os.path.isdir(folder):
+            feedback.fail(f"there is no folder {folder!r} next to this notebook, so the %%writefile "
+                          f"cell could not write {script}. Run the notebook from the course's "
+                          f"exercises/ folder, or create {folder!r} there first.")
+        else:
+            feedback.todo(f"{script} does not exist yet: run the %%writefile cell above first.")
+        return _stopped(feedback, before)
+    except ScriptError as err:
+        feedback.fail(f"the script does not compile: {str(err).splitlines()[0]}")
+        return _stopped(feedback, before)
+    except LaunchTimeout as err:
+        where = "; ".join(f"rank {r} at {s}" for r, s in sorted(err.stacks.items()))
+        waited = (f"hung: no rank said anything for {err.run.info['hang_timeout_s']:g} s"
+                  if err.run.info.get("hung") else f"did not finish within {err.run.info.get('timeout_s')} s")
+        feedback.fail(f"the run {waited}" + (f": {where}" if where else "") + f". {_sentence(err.hint)}")
+        feedback.run = err.run
+        return _stopped(feedback, before)
+    except LaunchError as err:
+        feedback.run = err.run
+        root = feedback.failure = err.root_cause
+        if root is not None and root.exc_type == "NotImplementedError":
+            feedback.todo(f"{root.message}{_where(root, script)}")
+        elif root is not None and root.exc_type and not root.secondary and not any(
+                f.says_mismatch for f in err.failures):
+            feedback.fail(f"rank {root.rank} stopped with {root.exc_type}: {root.message}"
+                          f"{_where(root, script)}. Its traceback is in the output above.")
+        elif root is not None:  # a signal, a lost peer, a collective mismatch: the hint says most
+            last = "" if root.exc_type else root.last_line()
+            feedback.fail(f"{root.headline()}{_where(root, script)}"
+                          + (f"; its last output: {last}" if last else "")
+                          + f". {_sentence(err.hint)}")
+        else:
+            feedback.fail(f"the run failed: {err.summary} {_sentence(err.hint)}")
+        return _stopped(feedback, before)
+    feedback.run = run
+    return feedback, run
+
+
+def launched(exercise: str | Feedback, target, *, explain=None, **launch_options):
+    """``attempt``, inside a ``@check``: returns ``(feedback, run)``, or ends the check when the launch
+    did not succeed (its findings say why). ``explain(feedback, target)``, when given, may first add
+    what such a failure most likely means in this exercise."""
+    feedback, run = attempt(exercise, target, **launch_options)
+    if run is None:
+        if explain is not None:
+            explain(feedback, target)
+        feedback.stop()
+    return feedback, run

@@ -1,0 +1,15 @@
+"""What runs inside a rank, or a torchrun agent, before the learner's script: the rank side.
+
+Owns:
+    entry      a rank's entry point (``python -m labkit._rank.entry SCRIPT``): pid file, watcher
+               thread, error file, then the script as ``__main__``
+    agent      a torchrun agent that dies with its kernel (``python -m labkit._rank.agent``)
+    proc       process tokens: is a pid still the process it was (the launcher, a rank)?
+    layout     which node and local rank a rank is, written to the run folder (several nodes)
+    selftest   the tiny all-reduce script ``labkit.doctor(launch=True)`` launches (a script,
+               not imported: it loads torch as any lesson script does)
+
+Imported by: every rank and agent before the script (and torch) loads, so **standard library
+only** (``tests/test_layout.py`` imports each module in a fresh interpreter and checks); the
+kernel's launcher (``labkit._launch``) reads their constants and tokens.
+"""

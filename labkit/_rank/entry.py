@@ -1,0 +1,263 @@
+"""Per-rank entry point: ``python -m labkit._rank.entry SCRIPT [ARGS...]``.
+
+labkit.launch asks torchrun to start every rank here instead of in the script
+itself. Before running the script as ``__main__`` (exactly as ``python SCRIPT``
+would) it:
+
+1. records its pid, so that the launcher can kill it if torchrun cannot;
+2. starts a watcher thread that ends the rank, and its DataLoader workers,
+   when torchrun or the launching kernel disappears (a kernel killed with
+   SIGKILL must leave no orphans);
+3. sends stderr to the same file as stdout, so a traceback stays in order
+   with the prints that led to it;
+4. lets the launcher ask for every thread's Python stack with SIGUSR1 (how a
+   timeout names the line a hung rank is stuck on);
+5. writes the rank's last metrics lines to disk when torchrun ends it with
+   SIGTERM (as it does to every healthy rank when one fails), then dies by
+   that signal as it would have (see ``_flush_on_sigterm``);
+6. ends the rank without the interpreter's final teardown (see ``_exit``).
+
+An uncaught exception is written, with its traceback, to torchrun's error file
+and to the run folder's ``errors/`` for LaunchError to report.
+
+Standard library only until the script itself runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import runpy
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from labkit import _rundir, metrics
+from labkit._rank import layout, proc
+
+_POLL_S = 0.5
+
+
+def _watch(parent_pid: int, launcher_pid: int | None, launcher_token: str | None) -> None:
+    """End this rank (and its process group) when torchrun or the launcher is gone."""
+    while True:
+        time.sleep(_POLL_S)
+        parent_gone = os.getppid() != parent_pid
+        launcher_gone = launcher_pid is not None and not proc.is_same_process(
+            launcher_pid, launcher_token
+        )
+        if parent_gone or launcher_gone:
+            metrics.flush()
+            if os.getpgid(0) == os.getpid():
+                os.killpg(os.getpid(), signal.SIGKILL)  # takes DataLoader workers too
+            os._exit(1)
+
+
+def _flush_output() -> None:
+    """Push the metrics buffer, stdout and stderr to disk; never raise (the rank is ending)."""
+    try:
+        metrics.flush()
+    except RuntimeError:  # a signal handler interrupted a write to the same buffer
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, RuntimeError):  # closed, or a reentrant call from a handler
+            pass
+
+
+def _die_by_sigterm() -> None:
+    """Flush what this rank wrote, then end it by SIGTERM, as if no handler had been set."""
+    _flush_output()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    else:  # signal.signal works only in the main thread; libc's signal() works in any
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).signal(int(signal.SIGTERM), 0)  # 0 is SIG_DFL
+        except (OSError, AttributeError):
+            os._exit(128 + signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _on_sigterm(signum, frame) -> None:
+    _die_by_sigterm()
+
+
+def _sigterm_watch(read_fd: int) -> None:
+    while True:
+        try:
+            received = os.read(read_fd, 64)
+        except OSError:
+            return
+        if not received:
+            return
+        if signal.SIGTERM in received:
+            _die_by_sigterm()
+
+
+def _undo_in_child() -> None:
+    """A forked child (a DataLoader worker) shares the pipe: its SIGTERM must not end the rank."""
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # forked from a thread other than the main one
+        pass
+
+
+def _flush_on_sigterm() -> None:
+    """Keep the metrics lines a rank logged in its last half second when SIGTERM ends it.
+
+    torchrun sends SIGTERM to every other rank when one fails; the default action
+    kills at once, and what the metrics buffer held was lost (lesson 05's check
+    compares the lines logged just before a crash). Python runs a signal handler
+    only in the main thread, and only once it is back in Python: a rank blocked in
+    a gloo or NCCL collective never is. So the handler also writes the signal's
+    number to a pipe (``signal.set_wakeup_fd``) from whichever thread received it,
+    and a watcher thread that reads the pipe flushes and ends the rank. Whichever
+    of the two comes first does it; both do the same.
+    """
+    if not hasattr(signal, "set_wakeup_fd") or os.name != "posix":
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread: leave the default action
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    os.register_at_fork(after_in_child=_undo_in_child)
+    threading.Thread(target=_sigterm_watch, args=(read_fd,), name="labkit-sigterm", daemon=True).start()
+
+
+def _script_traceback(exc: BaseException, script: str) -> str:
+    """The traceback from the script's first frame on (runpy's frames dropped)."""
+    tb = traceback.TracebackException.from_exception(exc)
+    frames = list(tb.stack)
+    script_abs = os.path.abspath(script)
+    for i, frame in enumerate(frames):
+        if os.path.abspath(frame.filename) == script_abs:
+            tb.stack = traceback.StackSummary.from_list(frames[i:])
+            break
+    return "".join(tb.format())
+
+
+def _record_failure(exc: BaseException, script: str, run_dir: str, rank: int, exit_code: int) -> None:
+    if isinstance(exc, SystemExit):
+        # The script chose to exit (argparse does on a bad option, after printing
+        # why): its own words are in the output, a traceback would only add noise.
+        text = ""
+        message = f"SystemExit: the script exited with code {exc.code}"
+    else:
+        text = _script_traceback(exc, script)
+        message = f"{type(exc).__name__}: {exc}"
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    now = time.time()
+    # torchrun's own format, so its summary shows the real cause too.
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        _rundir.write_json(
+            error_file,
+            {"message": {"message": message,
+                         "extraInfo": {"py_callstack": text, "timestamp": str(int(now))}}},
+        )
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    path = _rundir.error_file(run_dir, rank, restart)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _rundir.write_json(
+        path,
+        {"rank": rank, "restart": restart, "pid": os.getpid(), "time": now,
+         "exit_code": exit_code, "type": type(exc).__name__,
+         "message": message.split(": ", 1)[1], "traceback": text},
+    )
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m labkit._rank.entry SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    script = argv[0]
+    run_dir = _rundir.from_env()
+    rank = int(os.environ.get("RANK", "0"))
+
+    if run_dir:
+        os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
+        pid_file = _rundir.pid_file(run_dir, rank)
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
+        _rundir.write_json(pid_file, {"pid": os.getpid(), "token": proc.process_token(os.getpid())})
+        layout.record_layout(run_dir)  # several nodes: which node and local rank this rank is
+    launcher_pid = os.environ.get(proc.LAUNCHER_PID_ENV)
+    threading.Thread(
+        target=_watch,
+        args=(os.getppid(), int(launcher_pid) if launcher_pid else None,
+              os.environ.get(proc.LAUNCHER_TOKEN_ENV) or None),
+        name="labkit-watch",
+        daemon=True,
+    ).start()
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _flush_on_sigterm()
+
+    # Look like `python SCRIPT ARGS`: argv, sys.path[0] and __main__.
+    sys.argv = [script, *argv[1:]]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or code == 0:
+            return 0
+        if not isinstance(code, int):  # sys.exit("message") prints it and exits 1
+            print(code, file=sys.stderr)
+            code = 1
+        if run_dir:
+            _record_failure(exc, script, run_dir, rank, code)
+        return code
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, then re-signalled by the exit code
+        if run_dir:
+            _record_failure(exc, script, run_dir, rank, 1)
+        else:
+            traceback.print_exc()
+        return 1
+    finally:
+        metrics.flush()
+    return 0
+
+
+def _exit(code: int) -> None:
+    """End the rank as Python would, then skip the interpreter's teardown.
+
+    PyTorch's gloo backend frees each finished collective on its own worker
+    thread, shortly *after* ``wait()`` has returned, and freeing a tensor that
+    Python also knows about takes the GIL. If the main thread is already tearing
+    the interpreter down, that thread is stopped inside a destructor and the
+    process dies with "terminate called without an active exception" (SIGABRT),
+    after the script has finished its work. ``destroy_process_group()`` does not
+    join those threads, and a script cannot close the window itself.
+
+    So, in the interpreter's own order: the threading module's exit calls (they tell
+    ``concurrent.futures`` pools to stop: ``torch.compile`` leaves one running), then wait
+    for the script's non-daemon threads, run the atexit handlers (DataLoader workers,
+    logging, temporary files, labkit's metrics), flush, and leave with ``os._exit``, which
+    stops gloo's threads where they stand.
+    """
+    for call in reversed(getattr(threading, "_threading_atexits", [])):  # what Python calls first
+        call()
+    main_thread = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main_thread and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    _flush_output()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    _exit(main(sys.argv[1:]))

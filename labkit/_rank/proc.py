@@ -1,0 +1,56 @@
+"""Process tokens: is a pid still the process it was? Shared by the ranks and the launcher.
+
+A rank watches its launcher, and the launcher its ranks, by pid; a pid the kernel has reused
+for another program must not count. The token is the process's start time as Linux keeps it
+(``/proc/<pid>/stat``, in clock ticks since boot: exact, and immune to clock changes).
+
+Standard library only: the entry point imports this before the training script (and torch)
+is loaded. The kernel-side process work (children, trees, signals) uses psutil instead:
+``labkit._launch.procs``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+#: The launching kernel's pid and process token, which every rank watches (see _entry).
+LAUNCHER_PID_ENV = "LABKIT_LAUNCHER_PID"
+LAUNCHER_TOKEN_ENV = "LABKIT_LAUNCHER_TOKEN"
+
+
+def process_token(pid: int) -> str | None:
+    """Return a string that identifies *this* incarnation of ``pid``.
+
+    On Linux it is the process start time from ``/proc/<pid>/stat``, so a pid
+    that the kernel has reused for another program gives a different token.
+    Elsewhere it is ``"alive"`` while the pid exists. ``None`` if the process
+    is gone.
+    """
+    stat = Path(f"/proc/{pid}/stat")
+    if sys.platform.startswith("linux"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            return None
+        # The command name (field 2) may contain spaces; fields after ")" are fixed.
+        fields = text.rsplit(")", 1)[1].split()
+        if fields and fields[0] == "Z":  # a zombie has finished running
+            return None
+        return fields[19] if len(fields) > 19 else "alive"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return "alive"
+    return "alive"
+
+
+def is_same_process(pid: int, token: str | None) -> bool:
+    """True while ``pid`` still runs and is the process that ``token`` named."""
+    current = process_token(pid)
+    if current is None:
+        return False
+    return token is None or current == token

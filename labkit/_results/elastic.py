@@ -1,0 +1,136 @@
+"""An elastic run read back round by round: who trained, from where, and the loss (lesson 09).
+
+A round is one stretch of training with one set of ranks: the job's first start, then every
+restart after a node left or joined (``labkit._launch.elastic`` makes them happen). Kernel
+side; pandas and matplotlib are imported when a function is called.
+"""
+
+from __future__ import annotations
+
+
+def _assign_rounds(df):
+    """Number the rounds of an elastic run: rank 0's lines in time order; a new round begins
+    where its world size changes, where it logs ``resumed_from`` or where its step goes back."""
+    zero = df[df["rank"] == 0].sort_values("time", kind="stable")
+    resumed = zero["resumed_from"].notna() if "resumed_from" in zero.columns else zero["step"] < 0
+    starts, previous = [], None
+    for row, resumes in zip(zero.itertuples(), resumed):
+        if previous is None or resumes or row.world_size != previous.world_size \
+                or row.step < previous.step:
+            starts.append(row.time)
+        previous = row
+    return starts
+
+
+def elastic_losses(run):
+    """The loss of every step of an elastic run, round by round (lesson 09).
+
+    A round is one stretch of training with one set of ranks: the job's first start, then
+    every restart after a node left or joined. Steps done again after a restart appear once
+    per round that did them. A step that not every rank of its round logged (a rank killed
+    before its buffered lines reached the disk) is left out.
+
+    Args:
+        run: a ``Run`` whose script logs ``loss`` every step (and ``resumed_from`` when it
+            resumes, as lesson 09's does).
+
+    Returns:
+        a DataFrame with ``round``, ``step``, ``world_size``, ``time_s`` (seconds since the
+        launch) and ``loss`` (the mean over the ranks of that round).
+    """
+    df = run.metrics()
+    starts = _assign_rounds(df)
+    origin = run.info.get("start_time") or df["time"].min()
+    df = df[df["loss"].notna()].copy()
+    df["round"] = [sum(t >= s for s in starts) - 1 for t in df["time"]]
+    out = df.groupby(["round", "step"], sort=True).agg(
+        world_size=("world_size", "max"), time=("time", "max"), loss=("loss", "mean"),
+        ranks=("rank", "nunique")).reset_index()
+    # A node killed mid-run takes the lines its ranks had not yet written: a step that not
+    # every rank of its round logged has no mean loss over the round's ranks, so it is left out.
+    out = out[out["ranks"] == out["world_size"]]
+    out["time_s"] = out["time"] - origin
+    return out[["round", "step", "world_size", "time_s", "loss"]]
+
+
+def elastic_rounds(run):
+    """One row per round of an elastic run: who trained, from where, to where (lesson 09).
+
+    Returns:
+        a DataFrame with ``round``, ``world_size``, ``start_s`` and ``end_s`` (seconds since the
+        launch), ``resumed_from`` (the checkpoint's step, None for the first round),
+        ``first_step``, ``last_step`` (the steps it logged a loss for), ``steps`` (how many) and
+        ``last_checkpoint`` (the last step it saved a checkpoint at, None if it saved none).
+    """
+    import pandas as pd
+
+    df = run.metrics()
+    starts = _assign_rounds(df)
+    origin = run.info.get("start_time") or df["time"].min()
+    zero = df[df["rank"] == 0].copy()
+    zero["round"] = [sum(t >= s for s in starts) - 1 for t in zero["time"]]
+    losses = elastic_losses(run)
+    rows = []
+    for number, part in zero.groupby("round"):
+        mine = losses[losses["round"] == number]
+        resumed = part["resumed_from"].dropna() if "resumed_from" in part else pd.Series([], dtype=float)
+        saved = part["checkpoint_saved"].dropna() if "checkpoint_saved" in part else pd.Series([], dtype=float)
+        rows.append({
+            "round": number, "world_size": int(part["world_size"].max()),
+            "start_s": part["time"].min() - origin, "end_s": part["time"].max() - origin,
+            "resumed_from": int(resumed.iloc[0]) if len(resumed) else None,
+            "first_step": int(mine["step"].min()) if len(mine) else None,
+            "last_step": int(mine["step"].max()) if len(mine) else None,
+            "steps": len(mine),
+            "last_checkpoint": int(saved.max()) if len(saved) else None,
+        })
+    counts = ["resumed_from", "first_step", "last_step", "last_checkpoint"]
+    return pd.DataFrame(rows).astype({name: "Int64" for name in counts})  # None stays missing
+
+
+def plot_elastic(run, *, axes=None, title: str | None = None):
+    """World size and loss over time, with the moments nodes left and joined (lesson 09).
+
+    Args:
+        run: an elastic ``Run`` (its ``info["events"]`` marks the kills and joins).
+        axes: two matplotlib Axes (world size, loss) to draw on; new ones by default.
+        title: the figure's title.
+
+    Returns:
+        the two Axes.
+    """
+    import matplotlib.pyplot as plt
+
+    losses = elastic_losses(run)
+    rounds = elastic_rounds(run)
+    if axes is None:
+        _, axes = plt.subplots(2, 1, figsize=(9, 5), sharex=True,
+                               gridspec_kw={"height_ratios": [1, 2]})
+    top, bottom = axes
+    sizes = [int(w) for w in rounds["world_size"]]
+    for row in rounds.itertuples():
+        top.hlines(row.world_size, row.start_s, row.end_s, color="k", lw=3)
+    for k, (before, after) in enumerate(zip(rounds.itertuples(), list(rounds.itertuples())[1:])):
+        for ax in axes:  # between two rounds nobody trains: the rendezvous re-forms the world
+            ax.axvspan(before.end_s, after.start_s, color="0.92", lw=0,
+                       label="nobody trains: a new round forms" if k == 0 and ax is bottom else None)
+    top.set(ylabel="world size", ylim=(0, max(sizes + [1]) + 0.8), yticks=sorted(set(sizes)))
+    for number, part in losses.groupby("round"):
+        bottom.plot(part["time_s"], part["loss"], marker=".", ms=3, lw=1.2,
+                    label=f"round {number}: {int(part['world_size'].iloc[0])} rank(s), steps "
+                          f"{int(part['step'].min())}–{int(part['step'].max())}")
+    bottom.set(xlabel="seconds since launch", ylabel="training loss (mean of ranks)")
+    origin = run.info.get("start_time") or 0
+    for event in run.info.get("events", []):
+        if event.get("time") is None:
+            continue
+        kill = event["event"] == "KillNode"
+        for ax in axes:
+            ax.axvline(event["time"] - origin, color="tab:red" if kill else "tab:green",
+                       ls=":" if kill else "--", lw=1.5)
+        top.annotate(f"node {event.get('node')} {'killed' if kill else 'joins'}",
+                     (event["time"] - origin, 0.2), xytext=(3, 0), textcoords="offset points",
+                     fontsize=8, color="tab:red" if kill else "tab:green")
+    bottom.legend(fontsize=8)
+    top.set_title(title or f"{run.name}: world size and loss as nodes leave and join")
+    return axes
