@@ -52,17 +52,40 @@ class LabkitError(Exception):
     Attributes:
         sweep: when a run of ``labkit.sweep`` failed, the Sweep it stopped, holding the runs
             that finished before it (``err.sweep.runs``); None otherwise.
+
+    Example::
+
+        try:
+            labkit.sweep("scripts/02_ddp.py", nproc=[1, 2])
+        except labkit.LabkitError as err:
+            finished = err.sweep.runs if err.sweep else []
     """
 
     sweep = None
 
 
 class ScriptError(LabkitError):
-    """The script cannot start: labkit found a syntax error before launching."""
+    """The script cannot start: labkit found a syntax error before launching.
+
+    Example::
+
+        try:
+            labkit.launch("scripts/broken.py")
+        except labkit.ScriptError as err:
+            print(err)                      # the file, the line and the syntax error; nothing ran
+    """
 
 
 class NoMetricsError(LabkitError):
-    """A run has no metrics to read: the script never called ``metrics.log``."""
+    """A run has no metrics to read: the script never called ``metrics.log``.
+
+    Example::
+
+        try:
+            run.metrics()
+        except labkit.NoMetricsError:
+            print("the script never called metrics.log")
+    """
 
 
 @dataclass(frozen=True)
@@ -78,6 +101,11 @@ class RankFailure:
         output_tail: the last lines the rank printed.
         time: when the failure was recorded (seconds since the epoch), or None.
         secondary: True when the rank most likely died only because a peer went away.
+
+    Example::
+
+        failure = err.root_cause          # err: a LaunchError
+        print(failure.headline(), failure.traceback)
     """
 
     rank: int
@@ -138,6 +166,13 @@ class LaunchError(LabkitError):
         failures: list of RankFailure, the root cause first.
         run: the Run (its folder holds every rank's full log).
         returncode: torchrun's exit code.
+
+    Example (lesson 00)::
+
+        try:
+            labkit.launch("scripts/00_fail.py", nproc=2)
+        except labkit.LaunchError as err:
+            err.root_cause.rank, err.root_cause.exc_type, err.run.output(1)
     """
 
     def __init__(self, summary: str, *, failures=(), run=None, returncode=None, hint=""):
@@ -184,6 +219,13 @@ class LaunchTimeout(LaunchError):
     Attributes:
         last_steps: {rank: last step it logged, or None}.
         stacks: {rank: where its main thread was when stopped, e.g. ``"scripts/x.py:12 in <module>"``}.
+
+    Example (lesson 09)::
+
+        try:
+            labkit.launch("scripts/09_hang.py", nproc=2, hang_timeout_s=5)
+        except labkit.LaunchTimeout as err:
+            err.last_steps, err.stacks      # {rank: step}, {rank: "09_hang.py:31 in <module>, ..."}
     """
 
     def __init__(self, summary: str, *, last_steps=None, stacks=None, run=None, hint=""):

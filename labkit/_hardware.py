@@ -25,6 +25,10 @@ def is_smoke() -> bool:
     """True when ``LABKIT_SMOKE`` asks for smoke mode: tiny data, few steps, 2 ranks at most.
 
     CI sets it; a learner may too, for a quick first pass through a lesson.
+
+    Example (every lesson's first cell)::
+
+        SMOKE = labkit.is_smoke()
     """
     return os.environ.get(SMOKE_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
@@ -107,7 +111,12 @@ def gpus() -> list[Gpu]:
 
 
 def gpu_count() -> int:
-    """How many GPUs launches can use (CUDA_VISIBLE_DEVICES applied; no CUDA context made)."""
+    """How many GPUs launches can use (CUDA_VISIBLE_DEVICES applied; no CUDA context made).
+
+    Example::
+
+        labkit.gpu_count()          # 0 on a laptop without an NVIDIA GPU
+    """
     return len(gpus())
 
 

@@ -8,6 +8,8 @@ accuracy climbs far above the 10% of guessing) but not in one step. Smoke
 runs and offline machines use it; the returned ``DataSets`` always says which
 set you got, and why.
 
+Example (a lesson script)::
+
     from labkit.data import get_datasets
     data = get_datasets("data", synthetic=args.smoke)
     print(data.description)

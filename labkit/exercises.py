@@ -3,6 +3,10 @@
 The command the README and the Makefile name (``make exercises``, ``make restore EX=02``), and
 its functions (``labkit.exercises.generate``, ``restore``, ...); they live in
 ``labkit._course.exercises``.
+
+Example (a terminal in the course folder)::
+
+    python -m labkit.exercises restore 02     # exercises/02_ddp.ipynb as handed out
 """
 
 import sys

@@ -16,7 +16,8 @@ import pytest
 
 import labkit
 from labkit._course import checks as _checks
-from labkit._course.feedback import MIME, Feedback, _Stop, attempt, check
+from labkit._course.attempt import attempt
+from labkit._course.feedback import MIME, Feedback, _Stop, check
 from conftest import ROOT
 from test_launch import MISMATCH
 

@@ -106,7 +106,7 @@ def ipython_output(cell: str) -> str:
 
 CALL_THROUGH_THE_WRAPPER = """
 from labkit._launch.tracebacks import hide_labkit_frames
-from labkit._launch.plan import refuse_keywords
+from labkit._launch.keywords import refuse_keywords
 
 def stop(error):
     try:

@@ -3,7 +3,8 @@
 Owns:
     checks     one module per exercise (``checks/exNN_<name>.py``), found by its file name:
                ``labkit.check_<name>``
-    feedback   what a check says (findings, its stop signal, ``@check``, ``launched``)
+    feedback   what a check says (findings, its stop signal, ``@check``)
+    attempt    a check's launch, and a failed launch said in words (``launched``)
     hints      ``labkit.hint``: the progressive hints
     exercises  ``exercises/`` generated from ``solutions/``, and restored (``python -m
                labkit.exercises``)

@@ -55,6 +55,10 @@ def hint(exercise: str, number: int = 1) -> Hint:
 
     Raises:
         ValueError: an unknown exercise (the message lists them), or a number out of range.
+
+    Example (an exercise notebook)::
+
+        labkit.hint("02-ddp", 1)     # then 2, then 3
     """
     module = checks.find(exercise)
     exercise, texts = module.EXERCISE, module.HINTS

@@ -38,6 +38,11 @@ class Report:
         nproc: ranks a launch uses by default.
         gpus: the visible GPUs.
         dataset: "CIFAR-10" or "synthetic".
+
+    Example (lesson 00)::
+
+        report = labkit.doctor()
+        report.ok, report.device, report["CPU cores"].value
     """
 
     checks: list[Check] = field(default_factory=list)
@@ -185,6 +190,25 @@ def launch_check(timeout_s: float = 120) -> Check:
                                    f"all-reduced correctly in {run.wall_s:.1f} s")
 
 
+def _backend_checks(gpus: list) -> list[Check]:
+    """NCCL (its version, without a CUDA context) and gloo: the two backends lessons use."""
+    import torch
+    import torch.distributed as dist
+
+    nccl = dist.is_nccl_available()
+    nccl_text = "available" if nccl else "not in this build"
+    if nccl and gpus:
+        version = torch.cuda.nccl.version()  # reads the library version; no CUDA context
+        nccl_text = "available, " + ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    if not gpus:  # present or not, NCCL needs GPUs: on this machine it plays no part
+        found = [Check("NCCL", f"{nccl_text} (NCCL needs GPUs: not used here)", "info")]
+    else:
+        found = [Check("NCCL", nccl_text, "ok" if nccl else "warn",
+                       "" if nccl else "GPUs without NCCL: install a CUDA build of PyTorch")]
+    gloo = dist.is_gloo_available()
+    return found + [Check("gloo", "available" if gloo else "missing", "ok" if gloo else "warn")]
+
+
 def doctor(data_dir: str | os.PathLike | None = None, *, launch: bool = False) -> Report:
     """Check this machine for the course; returns a Report (a table in Jupyter).
 
@@ -205,7 +229,6 @@ def doctor(data_dir: str | os.PathLike | None = None, *, launch: bool = False) -
     """
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
-    import torch.distributed as dist
 
     from labkit._launch.plan import default_nproc
     from labkit.data import cifar10_on_disk  # torch is loaded by now; labkit.data needs it
@@ -230,18 +253,7 @@ def doctor(data_dir: str | os.PathLike | None = None, *, launch: bool = False) -
             add(Check("GPU topology", topo, "info"))
     else:
         add(Check("GPUs", "none visible: lessons run on CPU ranks with gloo", "info"))
-    nccl = dist.is_nccl_available()
-    nccl_text = "available" if nccl else "not in this build"
-    if nccl and gpus:
-        version = torch.cuda.nccl.version()  # reads the library version; no CUDA context
-        nccl_text = "available, " + ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-    if not gpus:  # present or not, NCCL needs GPUs: on this machine it plays no part
-        add(Check("NCCL", f"{nccl_text} (NCCL needs GPUs: not used here)", "info"))
-    else:
-        add(Check("NCCL", nccl_text, "ok" if nccl else "warn",
-                  "" if nccl else "GPUs without NCCL: install a CUDA build of PyTorch"))
-    add(Check("gloo", "available" if dist.is_gloo_available() else "missing",
-              "ok" if dist.is_gloo_available() else "warn"))
+    report.checks += _backend_checks(gpus)
     cores = _hardware.cpu_count()
     add(Check("CPU cores", f"{cores} usable by this process", "ok" if cores >= 2 else "warn",
               "" if cores >= 2 else "one core: 2 ranks will share it, so timings mean little"))

@@ -2,6 +2,7 @@
 
 Owns, in the order a launch uses them:
     plan        checks at the door: every argument, before anything starts
+    keywords    a wrong or old keyword gets a did-you-mean (``timeout`` -> ``timeout_s``)
     command     the torchrun command of each agent, the ranks' environment, run.json's facts
     agents      the torchrun agents of a launch (one per node), started, watched, stopped
     elastic     agents that may be killed and added while the job trains (``min_nodes``)

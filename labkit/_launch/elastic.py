@@ -234,5 +234,10 @@ def add_node(*, at_step: int | None = None, world_size: int | None = None) -> Ad
         at_step: once a rank has logged this step.
         world_size: once rank 0 has logged 5 steps in a world of this many ranks (e.g. 1: the
             survivor has resumed and trained alone for a while).
+
+    Example (lesson 09)::
+
+        labkit.launch(script, nproc=1, nnodes=2, min_nodes=1, max_restarts=3,
+                      events=[labkit.kill_node(1, at_step=12), labkit.add_node(world_size=1)])
     """
     return AddNode(at_step, world_size)

@@ -21,7 +21,8 @@ from labkit._launch.command import node_env, rank_env, run_info, safe_name, torc
 from labkit._launch.events import Context, Driver, Progress, check_events
 from labkit._launch.failures import collect_failures, failure_hint, timeout_hint
 from labkit._launch.live import LiveView
-from labkit._launch.plan import Plan, check_env, plan, refuse_keywords, renamed
+from labkit._launch.keywords import refuse_keywords, renamed
+from labkit._launch.plan import Plan, check_env, plan
 from labkit._launch.streams import Streams
 from labkit._launch.tracebacks import hide_labkit_frames
 from labkit._results.run import Run

@@ -22,7 +22,8 @@ from pathlib import Path
 from labkit import _rundir
 from labkit._errors import LaunchError, LaunchTimeout
 from labkit._launch.command import labkit_first_on_path, safe_name
-from labkit._launch.plan import _check_int, check_args, check_env, check_timeout, refuse_keywords, renamed
+from labkit._launch.keywords import refuse_keywords, renamed
+from labkit._launch.plan import _check_int, check_args, check_env, check_timeout
 from labkit._launch.tail import LineTail
 from labkit._results.run import Run
 
@@ -37,7 +38,13 @@ _GET_ONE = "`make test-slurm` runs them on a one-host cluster"
 
 @dataclass(frozen=True)
 class SlurmStatus:
-    """Whether a Slurm cluster answers here. ``reason`` says why not, or what answered."""
+    """Whether a Slurm cluster answers here. ``reason`` says why not, or what answered.
+
+    Example (lesson 08)::
+
+        status = labkit.slurm_status()
+        print(status.reason if not status else status.nodes)
+    """
 
     ok: bool
     reason: str

@@ -14,7 +14,8 @@ from labkit import _hardware, _rundir
 from labkit._errors import LabkitError
 from labkit._launch.command import safe_name
 from labkit._launch.launch import launch
-from labkit._launch.plan import check_nnodes, check_nproc, plan, refuse_keywords, renamed, resolve_device
+from labkit._launch.keywords import refuse_keywords, renamed
+from labkit._launch.plan import check_nnodes, check_nproc, plan, resolve_device
 from labkit._launch.live import in_notebook
 from labkit._results.run import Run, new_folder
 
@@ -27,6 +28,12 @@ class Sweep:
         runs: every Run, in the order they ran.
         sweep_dir: the folder holding the runs and ``sweep.json``.
         threads_per_rank: OMP_NUM_THREADS of every rank of every run.
+
+    Example (lesson 02)::
+
+        sweep = labkit.sweep("scripts/02_ddp.py", nproc=[1, 2], repeats=3)
+        sweep.table(); labkit.plot_speedup(sweep)
+        again = labkit.Sweep.load(sweep.sweep_dir)
     """
 
     def __init__(self, sweep_dir: Path, info: dict, runs: list[Run]):

@@ -109,6 +109,11 @@ class LossComparison:
             ``epoch_tol``.
         epoch_tol: relative tolerance on each epoch's mean loss, or None.
         window_tol: absolute tolerance on every window of the whole run, or None.
+
+    Example (lesson 02)::
+
+        cmp = labkit.compare_losses(ddp, single, epoch_tol=0.05)
+        cmp.plot(); cmp.check()
     """
 
     label: str

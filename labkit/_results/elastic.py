@@ -37,6 +37,11 @@ def elastic_losses(run):
     Returns:
         a DataFrame with ``round``, ``step``, ``world_size``, ``time_s`` (seconds since the
         launch) and ``loss`` (the mean over the ranks of that round).
+
+    Example (lesson 09)::
+
+        losses = labkit.elastic_losses(run)
+        losses.groupby("round")["loss"].last()
     """
     df = run.metrics()
     starts = _assign_rounds(df)
@@ -61,6 +66,11 @@ def elastic_rounds(run):
         launch), ``resumed_from`` (the checkpoint's step, None for the first round),
         ``first_step``, ``last_step`` (the steps it logged a loss for), ``steps`` (how many) and
         ``last_checkpoint`` (the last step it saved a checkpoint at, None if it saved none).
+
+    Example (lesson 09)::
+
+        rounds = labkit.elastic_rounds(run)
+        rounds[["round", "world_size", "resumed_from", "first_step"]]
     """
     import pandas as pd
 
@@ -98,6 +108,10 @@ def plot_elastic(run, *, axes=None, title: str | None = None):
 
     Returns:
         the two Axes.
+
+    Example (lesson 09)::
+
+        labkit.plot_elastic(run)
     """
     import matplotlib.pyplot as plt
 

@@ -37,6 +37,12 @@ class Run:
         returncode: torchrun's exit code (None while running).
         wall_s: wall-clock seconds from launch to the end of the last rank.
         info: everything ``run.json`` holds.
+
+    Example::
+
+        run = labkit.launch("scripts/02_ddp.py", nproc=2)
+        run.metrics(), run.throughput(), run.output(0)
+        ref = labkit.Run.load("../reference/02-ddp-8xH100")
     """
 
     def __init__(self, run_dir: str | os.PathLike, info: dict):

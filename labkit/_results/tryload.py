@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from labkit._launch.plan import refuse_keywords, renamed
+from labkit._launch.keywords import refuse_keywords, renamed
 from labkit.memory import local_tensor
 
 __all__ = ["try_load", "LoadReport"]
@@ -53,6 +53,11 @@ class LoadReport:
             that failed: the first parameter and its cause), or None if it loaded.
         numbers_held: elements of the file's tensors (a DTensor counts its local shard).
         numbers_in_model: elements of the model's state dict.
+
+    Example (lesson 06)::
+
+        report = labkit.try_load("runs/06/model.pt", model)
+        report.into_model is None, report.numbers_held, report.numbers_in_model
     """
 
     path: Path

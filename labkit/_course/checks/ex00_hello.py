@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from labkit._course.checks._common import _last, _metrics
-from labkit._course.feedback import Feedback, check, launched
+from labkit._course.attempt import launched
+from labkit._course.feedback import Feedback, check
 
 EXERCISE = "00-hello"
 
@@ -29,6 +30,10 @@ def check_hello(target="scripts/ex00_hello.py", *, timeout_s: float = 180) -> Fe
     """Exercise 00-hello: every rank knows its rank and the world size, and holds the sum of the ranks.
 
     Launches on 3 CPU ranks, so that a number written for 2 ranks shows up.
+
+    Example (exercises/00_setup.ipynb)::
+
+        labkit.check_hello("scripts/ex00_hello.py")
     """
     feedback, run = launched(EXERCISE, target, nproc=NPROC, device="cpu", env=ENV, timeout_s=timeout_s,
                              name="check-00-hello")

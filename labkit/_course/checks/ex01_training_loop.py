@@ -8,7 +8,8 @@ settings from what its skeleton logs at step 0.
 from __future__ import annotations
 
 from labkit._course.checks._common import _config, _last, _metrics
-from labkit._course.feedback import Feedback, check, launched
+from labkit._course.attempt import launched
+from labkit._course.feedback import Feedback, check
 
 EXERCISE = "01-loop"
 
@@ -30,7 +31,12 @@ SETTINGS = ["lrs", "epochs", "batch_size", "log_every", "train_size"]
 @check
 def check_training_loop(target="scripts/ex01_loop.py", *, timeout_s: float = 300) -> Feedback:
     """Exercise 01-loop: a correct training step, evaluation that changes nothing, honest
-    logging windows, and every rank agreeing on the best learning rate (2 CPU ranks)."""
+    logging windows, and every rank agreeing on the best learning rate (2 CPU ranks).
+
+    Example (exercises/01_single_device.ipynb)::
+
+        labkit.check_training_loop("scripts/ex01_loop.py")
+    """
     feedback, run = launched(EXERCISE, target, nproc=2, device="cpu", timeout_s=timeout_s, name="check-01-loop")
     df = _metrics(feedback, run, ["lr", "test_acc", "best_lr", *SETTINGS])
     setting = _config(df, SETTINGS)

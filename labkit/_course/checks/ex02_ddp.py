@@ -15,7 +15,8 @@ import re
 from pathlib import Path
 
 from labkit._course.checks._common import _config, _last, _metrics, _on, _ranks
-from labkit._course.feedback import Feedback, check, launched
+from labkit._course.attempt import launched
+from labkit._course.feedback import Feedback, check
 
 EXERCISE = "02-ddp"
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit._course.checks._common import _config, _gap, _metrics, _near, _ranks, _saved
-from labkit._course.feedback import Feedback, check, launched
+from labkit._course.attempt import launched
+from labkit._course.feedback import Feedback, check
 
 EXERCISE = "04-accumulation"
 

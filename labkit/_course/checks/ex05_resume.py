@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit._course.checks._common import _metrics, _on, _ranks
-from labkit._course.feedback import Feedback, check, launched
+from labkit._course.attempt import launched
+from labkit._course.feedback import Feedback, check
 
 EXERCISE = "05-resume"
 

@@ -11,7 +11,8 @@ float32, in one process, to follow the learner's loss.
 from __future__ import annotations
 
 from labkit._course.checks._common import _config, _metrics, _ranks
-from labkit._course.feedback import Feedback, check, launched
+from labkit._course.attempt import launched
+from labkit._course.feedback import Feedback, check
 
 EXERCISE = "07-bf16"
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from labkit import _hardware
 from labkit._course.checks._common import _metrics, _on
-from labkit._course.feedback import Feedback, check, launched
+from labkit._course.attempt import launched
+from labkit._course.feedback import Feedback, check
 
 EXERCISE = "08-nodes"
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 
 from labkit._course.checks._common import _metrics, _on
-from labkit._course.feedback import Feedback, check, launched
+from labkit._course.attempt import launched
+from labkit._course.feedback import Feedback, check
 
 EXERCISE = "09-skip"
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit._course.checks._common import _metrics, _on, _ranks
-from labkit._course.feedback import Feedback, check, launched
+from labkit._course.attempt import launched
+from labkit._course.feedback import Feedback, check
 
 EXERCISE = "10-tp-plan"
 
