@@ -16,6 +16,9 @@ bits step after step. So a lesson checks two things:
 ✓ lines and assert them.
 """
 
+# Longer than ~300 lines on purpose: did two runs train alike is one idea, and LossComparison's
+# check, check_misses and plot share its windows and tolerances (tests/test_layout.py lists it).
+
 from __future__ import annotations
 
 from dataclasses import dataclass
