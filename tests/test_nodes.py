@@ -15,14 +15,15 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import labkit
+from conftest import python
 from labkit import LaunchError, LaunchTimeout, _hardware
 from labkit._launch import agents as _nodes
-from labkit._rank import proc as _proc
 from labkit._launch.plan import plan
-from conftest import python
+from labkit._rank import proc as _proc
 
 LAYOUT = """
     import os, torch, torch.distributed as dist
@@ -333,7 +334,7 @@ def test_an_agent_waiting_for_a_peer_that_never_comes_dies_with_its_launcher(wor
         token = _proc.process_token(agent)
         time.sleep(3)  # it has become torchrun, and waits for a second agent
         assert _proc.is_same_process(agent, token), "the agent did not start"
-        assert "torch.distributed.run" in open(f"/proc/{agent}/cmdline").read()
+        assert "torch.distributed.run" in psutil.Process(agent).cmdline()
     finally:
         launcher.kill()
         launcher.wait()

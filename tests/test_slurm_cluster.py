@@ -12,6 +12,7 @@ import pytest
 import psutil
 
 from conftest import ROOT
+from labkit._launch import procs
 from labkit._launch import sbatch as _slurm
 
 sys.path.insert(0, str(ROOT / "tools"))  # test tooling, beside the tests: tools/slurm_cluster.py
@@ -163,11 +164,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+_alive = procs.running
 
 
 def test_a_jobs_processes_are_found_by_the_variable_they_carry(monkeypatch):

@@ -34,8 +34,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 from labkit._launch import procs
 
 #: Debian's packages: the daemons, the client commands and the authentication they share.
@@ -136,14 +134,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         pass
-
-
-def _running(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie has finished)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 class ClusterError(RuntimeError):
@@ -300,7 +290,7 @@ class OneHostCluster:
         their tasks, and clients such as srun, all found by the ``SLURM_CONF`` they carry."""
         daemons = set(self.pids.values())
         return [pid for pid in procs.processes_with_env("SLURM_CONF", str(self.conf))
-                if pid not in daemons and _running(pid)]
+                if pid not in daemons and procs.running(pid)]
 
     def _cancel_jobs(self, grace_s: float) -> None:
         run = lambda argv: subprocess.run(argv, env=self.env, capture_output=True, text=True,  # noqa: E731
@@ -365,7 +355,7 @@ def main(argv: list[str]) -> int:
                 child.kill()
                 child.wait()
         cluster.stop()
-        left = [pid for pid in started_pids if _running(pid)]
+        left = [pid for pid in started_pids if procs.running(pid)]
         print(f"one-host Slurm cluster stopped{'' if not left else f'; still running: {left}'}",
               flush=True)
 

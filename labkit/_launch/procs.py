@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 
 import psutil
@@ -34,6 +33,19 @@ def children(pid: int) -> list[int]:
         return [child.pid for child in psutil.Process(pid).children()]
     except psutil.Error:
         return []
+
+
+def running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie has finished; a pid nobody has is not running).
+
+    Example::
+
+        assert not running(agent_pid), "the agent outlived its launcher"
+    """
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
@@ -100,10 +112,8 @@ def is_rank(pid: int, token: str | None, written: float) -> bool:
     only says "alive", so psutil's start time must not be later than the pid file: a process
     started after the rank wrote it is another program that got the pid.
     """
-    if not proc.is_same_process(pid, token):
-        return False
-    if sys.platform.startswith("linux") and token not in (None, "alive"):
-        return True
+    if token not in (None, "alive"):
+        return proc.is_same_process(pid, token)
     try:
         process = psutil.Process(pid)
         return (process.status() != psutil.STATUS_ZOMBIE
