@@ -100,9 +100,9 @@ class Context:
 
     run_dir: Path
     emit: object                 # print a line in the cell
-    agents: object               # _nodes.Agents (or _elastic.ElasticAgents)
-    streams: object              # _supervise.Streams
-    start_agent: object = None   # callable(node) -> None: start one more agent (elastic runs)
+    agents: object               # labkit._launch.agents.Agents (or elastic.ElasticAgents)
+    streams: object              # labkit._launch.streams.Streams
+    start_agent: object = None   # callable() -> node: start one more agent (elastic runs)
     extra: dict = field(default_factory=dict)
 
 
