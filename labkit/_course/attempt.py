@@ -10,20 +10,17 @@ is written). Kernel side.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 from labkit._course.feedback import Feedback
+from labkit._diagnose.stacks import traceback_frames
 from labkit._errors import LaunchError, LaunchTimeout, ScriptError
-
-_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
-
 
 def _where(failure, script: str) -> str:
     """' (scripts/ex.py, line 42)' from the last frame of the script in a traceback."""
-    found = [m for m in _LINE.finditer(failure.traceback or "")
-             if os.path.abspath(m["file"]) == os.path.abspath(script)]
-    return f" ({script}, line {found[-1]['line']})" if found else ""
+    found = [f for f in traceback_frames(failure.traceback)
+             if os.path.abspath(f["file"]) == os.path.abspath(script)]
+    return f" ({script}, line {found[0]['line']})" if found else ""
 
 
 def _sentence(text: str) -> str:

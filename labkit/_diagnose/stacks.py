@@ -14,7 +14,8 @@ Each becomes threads of frames, innermost first, and every answer has one form::
     # 'scripts/09_hang.py:31 in <module>, inside all_reduce (distributed_c10d.py)'
 
 so that a timeout's stacks, py-spy's and a failure's traceback can be compared.
-``excerpt`` cuts a dump to the lines worth showing in a cell. Kernel side, standard library.
+``excerpt`` cuts a dump to the lines worth showing in a cell. Kernel side, standard library:
+the launcher (timeouts), ``hang`` (py-spy), ``failures`` and the exercises' checks (tracebacks).
 """
 
 from __future__ import annotations
@@ -120,6 +121,16 @@ def where(dump: str, script: str, fmt: Format) -> str | None:
     return place(script, thread.frames, _script_frames(thread, script, fmt)[0])
 
 
+def traceback_frames(traceback: str) -> list[dict]:
+    """The frames of a Python traceback (dicts with file, line and func), innermost first.
+
+    Example::
+
+        traceback_frames(failure.traceback)[0]["func"]     # where it raised
+    """
+    return [m.groupdict() for m in _TRACEBACK_FRAME.finditer(traceback or "")][::-1]
+
+
 def waiting_place(traceback: str) -> str:
     """'scripts/x.py:29 in train_step, inside all_reduce' from a traceback: the innermost frame
     outside the installed packages and the library call it was in ("" if the traceback has no
@@ -129,7 +140,7 @@ def waiting_place(traceback: str) -> str:
 
         waiting_place(failure.traceback)
     """
-    frames = [m.groupdict() for m in _TRACEBACK_FRAME.finditer(traceback or "")][::-1]
+    frames = traceback_frames(traceback)
     mine = [f for f in frames if "site-packages" not in f["file"] and not f["file"].startswith("<")]
     if not mine or frames[0] is mine[0]:
         return ""
