@@ -264,7 +264,7 @@ def test_a_sweep_refuses_bad_nnodes_before_any_run(workdir, write_script, nnodes
 
 @pytest.mark.launch
 def test_a_sweep_on_two_nodes(workdir, write_script):
-    """nprocs are ranks per node; every run of the sweep has the same two nodes."""
+    """sweep's nproc are ranks per node; every run of the sweep has the same two nodes."""
     write_script("steps.py", """
         import time, torch.distributed as dist
         from labkit import metrics
