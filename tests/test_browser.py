@@ -37,9 +37,9 @@ GONE_S = 60             # how long to wait for ranks to go before failing (a sha
 # A learner trying longer runs of lesson 02's script: long enough for the live chart to be
 # redrawn several times, or to be stopped mid-training, on any machine.
 MORE_EPOCHS = ('more = labkit.launch("scripts/02_ddp.py", nproc=NPROC, args=BASE + ["--epochs", "20"],\n'
-               '                     device=DEVICE, name="more-epochs", timeout=900)')
+               '                     device=DEVICE, name="more-epochs", timeout_s=900)')
 LONGER = ('longer = labkit.launch("scripts/02_ddp.py", nproc=NPROC, args=BASE + ["--epochs", "60"],\n'
-          '                       device=DEVICE, name="longer", timeout=900)')
+          '                       device=DEVICE, name="longer", timeout_s=900)')
 
 
 # -- the server, the browser, a copy of the course per test --------------------------------

@@ -575,7 +575,7 @@ def test_no_rank_outlives_its_launcher(workdir, write_script, sig):
     write_script("sleeper.py", SLEEPER)
     signal_launcher(workdir, """
         import labkit
-        labkit.launch("sleeper.py", nproc=2, timeout=300)
+        labkit.launch("sleeper.py", nproc=2, timeout_s=300)
     """, nproc=2, sig=sig)
 
 
@@ -625,7 +625,7 @@ def test_an_interrupted_launch_says_what_it_stopped_then_shows_only_the_learners
     run_dir, done = signal_launcher(workdir, """
         from IPython.core.interactiveshell import InteractiveShell
         InteractiveShell.instance().run_cell(
-            'import labkit\\nrun = labkit.launch("sleeper.py", nproc=2, timeout=300)\\nprint("not " + "reached")')
+            'import labkit\\nrun = labkit.launch("sleeper.py", nproc=2, timeout_s=300)\\nprint("not " + "reached")')
         print("the kernel goes on", flush=True)
     """, nproc=2)
     out = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout)
@@ -645,7 +645,7 @@ def test_an_interrupted_sweep_stops_too(workdir, write_script):
     write_script("sleeper.py", SLEEPER)
     run_dir, done = signal_launcher(workdir, """
         import labkit
-        labkit.sweep("sleeper.py", nprocs=[1, 2], repeats=1, timeout=300)
+        labkit.sweep("sleeper.py", nproc=[1, 2], repeats=1, timeout_s=300)
     """, nproc=1)
     assert INTERRUPTED.findall(done.stdout) == [
         f"interrupted: 1 rank stopped, run folder {run_dir.relative_to(workdir)}"], done.stdout
@@ -658,7 +658,7 @@ def test_two_concurrent_launches_both_succeed(workdir, write_script):
     write_script("hello.py", HELLO)
     code = """
         import labkit
-        run = labkit.launch("hello.py", nproc=2, timeout=120, quiet=True)
+        run = labkit.launch("hello.py", nproc=2, timeout_s=120, quiet=True)
         print(run.status)
     """
     procs = [python(code, cwd=workdir, stdout=subprocess.PIPE, text=True) for _ in range(2)]
@@ -680,7 +680,7 @@ def test_a_ranks_own_children_die_with_it_when_the_launcher_is_killed(workdir, w
     """)
     launcher = python("""
         import labkit
-        labkit.launch("parent.py", nproc=2, timeout=300)
+        labkit.launch("parent.py", nproc=2, timeout_s=300)
     """, cwd=workdir)
     try:
         deadline = time.monotonic() + 60

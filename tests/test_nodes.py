@@ -233,7 +233,7 @@ def test_no_rank_and_no_agent_outlives_the_launcher(workdir, write_script, sig):
         import signal
         signal.signal(signal.SIGINT, signal.default_int_handler)
         import labkit
-        labkit.launch("sleeper.py", nproc=1, nnodes=2, device="cpu", timeout=300)
+        labkit.launch("sleeper.py", nproc=1, nnodes=2, device="cpu", timeout_s=300)
     """, cwd=workdir)
     try:
         deadline = time.monotonic() + 120
@@ -290,7 +290,7 @@ def test_a_launcher_killed_before_any_rank_started_leaves_no_agent(workdir, writ
     write_script("sleeper.py", SLEEPER)
     launcher = python("""
         import labkit
-        labkit.launch("sleeper.py", nproc=1, nnodes=2, device="cpu", timeout=300)
+        labkit.launch("sleeper.py", nproc=1, nnodes=2, device="cpu", timeout_s=300)
     """, cwd=workdir)
     try:
         deadline = time.monotonic() + 120

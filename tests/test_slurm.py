@@ -132,7 +132,7 @@ def test_an_interrupt_cancels_the_job(slurm_cluster, write_script, workdir):
         import signal
         signal.signal(signal.SIGINT, signal.default_int_handler)
         import labkit
-        labkit.sbatch("sleep.sbatch", nodes=2, timeout=300)
+        labkit.sbatch("sleep.sbatch", nodes=2, timeout_s=300)
     """, cwd=workdir, stdout=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
