@@ -319,6 +319,8 @@ def test_an_agent_waiting_for_a_peer_that_never_comes_dies_with_its_launcher(wor
     launcher = python("""
         import os, sys, time
         from pathlib import Path
+        from labkit._launch import agents as _nodes
+        from labkit._rank import proc as _proc
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_nodes.free_port()}",
                 "--rdzv-id=alone", "ok.py"]
