@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 import psutil
@@ -80,16 +81,25 @@ def processes_with_env(name: str, value: str) -> list[int]:
         processes_with_env("SLURM_CONF", "/tmp/labkit-slurm-x/slurm.conf")
     """
     mine = {p.pid for p in psutil.Process().parents()} | {os.getpid()}
-    found = []
-    for candidate in psutil.process_iter():
-        if candidate.pid in mine:
-            continue
-        try:
-            if candidate.environ().get(name) == value:
-                found.append(candidate.pid)
-        except psutil.Error:  # gone, a zombie, or another user's
-            continue
-    return found
+    wanted = f"{name}={value}"
+    return [candidate.pid for candidate in psutil.process_iter()
+            if candidate.pid not in mine and wanted in _environment(candidate)]
+
+
+def _environment(process: psutil.Process) -> list[str]:
+    """Every ``NAME=value`` of a process's environment ([] when it is gone or not ours).
+
+    On Linux, read whole from /proc: slurmstepd writes its title ("slurmstepd: [1.0]") over
+    the start of its environment, and psutil's ``environ()`` stops at the first empty entry,
+    so it would see none of what follows.
+    """
+    try:
+        if sys.platform.startswith("linux"):
+            with open(f"/proc/{process.pid}/environ", "rb") as f:
+                return f.read().decode(errors="replace").split("\0")
+        return [f"{k}={v}" for k, v in process.environ().items()]
+    except (OSError, psutil.Error):  # gone, a zombie, or another user's
+        return []
 
 
 def recorded_ranks(run_dir: str | os.PathLike) -> dict[int, tuple[int, str | None, float]]:
