@@ -1,4 +1,4 @@
-"""Exercise 09-skip: a rank with a bad batch must not skip the step alone (lesson 09).
+"""Exercise 10-skip: a rank with a bad batch must not skip the step alone (lesson 10).
 
 The script meets, now and then, a batch whose loss is NaN on one rank. Its first try skips the
 step on that rank only, and the ranks' all_reduces pair wrongly, then hang. The learner makes
@@ -14,7 +14,7 @@ import re
 from labkit._checks._common import _metrics, _on
 from labkit._feedback import Feedback, check, launched
 
-EXERCISE = "09-skip"
+EXERCISE = "10-skip"
 
 HINTS = [
     "A bad batch on one rank must not change which collectives that rank calls. Every rank has "
@@ -35,8 +35,8 @@ HANG_S = 8
 
 
 @check
-def check_skip(target="scripts/ex09_skip.py", *, timeout: float = 180) -> Feedback:
-    """Exercise 09-skip: every rank skips a step where some rank's batch is bad, and only those
+def check_skip(target="scripts/ex10_skip.py", *, timeout: float = 180) -> Feedback:
+    """Exercise 10-skip: every rank skips a step where some rank's batch is bad, and only those
     steps; every sum is right; rank 0 says which ranks had the bad batch.
 
     Launches on 3 CPU ranks with bad batches on ranks 0 and 2; a hang is stopped after
@@ -49,12 +49,12 @@ def check_skip(target="scripts/ex09_skip.py", *, timeout: float = 180) -> Feedba
     Returns:
         a Feedback; a mistake in the script is a finding, never an exception.
 
-    Example (exercises/09_faults.ipynb)::
+    Example (exercises/10_faults.ipynb)::
 
-        labkit.check_skip("scripts/ex09_skip.py")
+        labkit.check_skip("scripts/ex10_skip.py")
     """
     feedback, run = launched(EXERCISE, target, nproc=NPROC, device="cpu", args=ARGS, timeout=timeout,
-                             hang_timeout=HANG_S, name="check-09-skip", explain=_skipped_alone)
+                             hang_timeout=HANG_S, name="check-10-skip", explain=_skipped_alone)
     df = _metrics(feedback, run, ["bad_batch", "trained"])
     bad = _bad_batches(df)
     _skipped_together(feedback, df, bad, run.nproc)

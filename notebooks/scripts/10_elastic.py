@@ -1,7 +1,7 @@
-"""Lesson 09: lesson 05's script, made elastic: nodes may leave and join while it trains.
+"""Lesson 10: lesson 05's script, made elastic: nodes may leave and join while it trains.
 
 Run it on each node:  torchrun --nnodes=1:2 --nproc-per-node=1 --max-restarts=3 --rdzv-backend=c10d
-    --rdzv-endpoint=<first node>:29500 --rdzv-id=job1 scripts/09_elastic.py --synthetic
+    --rdzv-endpoint=<first node>:29500 --rdzv-id=job1 scripts/10_elastic.py --synthetic
 """
 import argparse
 import datetime

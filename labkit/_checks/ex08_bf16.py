@@ -1,4 +1,4 @@
-"""Exercise 07-bf16: bf16 autocast and bf16 gradient compression under DDP, against float32.
+"""Exercise 08-bf16: bf16 autocast and bf16 gradient compression under DDP, against float32.
 
 The skeleton profiles one training step and saves each rank's trace in the run folder; it logs
 each step's loss, the type of the first convolution's output, and the calls to
@@ -13,7 +13,7 @@ from __future__ import annotations
 from labkit._checks._common import _config, _metrics, _ranks
 from labkit._feedback import Feedback, check, launched
 
-EXERCISE = "07-bf16"
+EXERCISE = "08-bf16"
 
 HINTS = [
     "Two small places. DDP takes a communication hook with model.register_comm_hook(state, hook), "
@@ -35,8 +35,8 @@ _TYPES = {"c10::BFloat16": "bfloat16", "c10::Half": "float16", "float": "float32
 
 
 @check
-def check_bf16(target="scripts/ex07_bf16.py", *, timeout: float = 240) -> Feedback:
-    """Exercise 07-bf16: DDP all-reduces the gradients as bfloat16 (half the bytes), the forward
+def check_bf16(target="scripts/ex08_bf16.py", *, timeout: float = 240) -> Feedback:
+    """Exercise 08-bf16: DDP all-reduces the gradients as bfloat16 (half the bytes), the forward
     pass runs under bf16 autocast from float32 weights, the ranks stay identical, and the loss
     follows float32 training within ``LOSS_TOL`` at every step.
 
@@ -49,11 +49,11 @@ def check_bf16(target="scripts/ex07_bf16.py", *, timeout: float = 240) -> Feedba
     Returns:
         a Feedback; a mistake in the script is a finding, never an exception.
 
-    Example (exercises/07_performance.ipynb)::
+    Example (exercises/08_speed.ipynb)::
 
-        labkit.check_bf16("scripts/ex07_bf16.py")
+        labkit.check_bf16("scripts/ex08_bf16.py")
     """
-    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-07-bf16", **_ranks(2))
+    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-08-bf16", **_ranks(2))
     df = _metrics(feedback, run, ["loss", "conv_dtype", "step_calls", "replica_gap", "param_dtype", *SETTINGS])
     setting = _config(df, SETTINGS)
     _bytes_halved(feedback, run, int(setting["param_bytes"]))

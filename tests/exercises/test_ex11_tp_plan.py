@@ -1,4 +1,4 @@
-"""Exercise 10-tp-plan: each common mistake gets the message that names it (real 2-rank launches),
+"""Exercise 11-tp-plan: each common mistake gets the message that names it (real 2-rank launches),
 and the check reads a finished run."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import labkit
-from labkit._checks import ex10_tp_plan
+from labkit._checks import ex11_tp_plan
 from mistakes import Mistake, each_named_by
 
-NOTEBOOK = "10_parallelisms.ipynb"
+NOTEBOOK = "11_tensor_parallel.ipynb"
 
 _PLAN = 'PLAN = {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}'
 _NUMBERS = "the output and every gradient equal one process's"
@@ -45,15 +45,15 @@ test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_tp
 
 def _run(folder, *, gap=1e-7, forward=2, backward=4, placements=("Shard(dim=0)",) * 2 + ("Shard(dim=1)",),
          predicted=(2, 4, 4096), device="cpu"):
-    """A finished 2-rank Run of exercise 10, written by hand."""
+    """A finished 2-rank Run of exercise 11, written by hand."""
     from labkit._run import Run
 
     (folder / "metrics").mkdir(parents=True)
     for rank in range(2):
         lines = [{"step": 0, "dim": 64, "depth": 2, "batch_size": 16,
-                  **{f"{name}_placement": f"({p},)" for name, p in zip(ex10_tp_plan.LAYERS, placements)},
-                  **{f"{name}_shape": "?" for name in ex10_tp_plan.LAYERS}},
-                 {"step": 0, **{f"predicted_{k}": v for k, v in zip(ex10_tp_plan.PREDICTIONS, predicted)}},
+                  **{f"{name}_placement": f"({p},)" for name, p in zip(ex11_tp_plan.LAYERS, placements)},
+                  **{f"{name}_shape": "?" for name in ex11_tp_plan.LAYERS}},
+                 {"step": 0, **{f"predicted_{k}": v for k, v in zip(ex11_tp_plan.PREDICTIONS, predicted)}},
                  {"step": 1, "loss": 1.0, "output_gap": gap, "grad_gap": gap, "forward_all_reduce": forward,
                   "backward_all_reduce": backward, "bytes_all_reduce": 4096 * (forward + backward)}]
         (folder / "metrics" / f"rank{rank}.jsonl").write_text("".join(

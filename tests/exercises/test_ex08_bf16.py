@@ -1,4 +1,4 @@
-"""Exercise 07-bf16: each common mistake gets the message that names it (real 2-rank launches)."""
+"""Exercise 08-bf16: each common mistake gets the message that names it (real 2-rank launches)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import labkit
 from mistakes import Mistake, assert_named, each_named_by
 
-NOTEBOOK = "07_performance.ipynb"
+NOTEBOOK = "08_speed.ipynb"
 
 _HOOK = "model.register_comm_hook(None, default_hooks.bf16_compress_hook)"
 _AUTOCAST = "with torch.autocast(device.type, dtype=torch.bfloat16):"

@@ -1,8 +1,8 @@
-"""Lesson 08's project: train the course's CNN on every rank torchrun started, on any node.
+"""Lesson 09's project: train the course's CNN on every rank torchrun started, on any node.
 
-    torchrun --standalone --nproc-per-node=2 scripts/08_project/train.py --synthetic
+    torchrun --standalone --nproc-per-node=2 scripts/09_project/train.py --synthetic
     torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \\
-        --rdzv-id=JOB scripts/08_project/train.py        # on every node (see 08_job.sbatch)
+        --rdzv-id=JOB scripts/09_project/train.py        # on every node (see 09_job.sbatch)
 """
 from __future__ import annotations
 

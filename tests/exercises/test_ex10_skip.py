@@ -1,11 +1,11 @@
-"""Exercise 09-skip: each common mistake gets the message that names it (real 3-rank launches)."""
+"""Exercise 10-skip: each common mistake gets the message that names it (real 3-rank launches)."""
 
 from __future__ import annotations
 
 import labkit
 from mistakes import Mistake, each_named_by
 
-NOTEBOOK = "09_faults.ipynb"
+NOTEBOOK = "10_faults.ipynb"
 
 MISTAKES = {
     # the flags are never exchanged: the rank with the bad batch skips alone, and the run hangs

@@ -1,6 +1,6 @@
-"""Lesson 09: rank 1 skips one all_reduce. Where do the ranks part ways?
+"""Lesson 10: rank 1 skips one all_reduce. Where do the ranks part ways?
 
-Run it:  torchrun --standalone --nproc-per-node=2 scripts/09_hang.py --timeout 10
+Run it:  torchrun --standalone --nproc-per-node=2 scripts/10_hang.py --timeout 10
 """
 import argparse
 import datetime

@@ -1,8 +1,8 @@
-"""Exercise 08-nodes: a training script that is right on one node and wrong on two.
+"""Exercise 09-nodes: a training script that is right on one node and wrong on two.
 
 On one node ``RANK`` equals ``LOCAL_RANK`` and ``WORLD_SIZE`` equals ``LOCAL_WORLD_SIZE``, so a
 script that mixes them up runs well there. The check launches the learner's script on two nodes
-of one rank each (two torchrun agents on this machine, lesson 08), where every mix-up shows: a
+of one rank each (two torchrun agents on this machine, lesson 09), where every mix-up shows: a
 rank that does not know its place, a GPU its node does not have, two ranks reading the same
 samples, a job that prints and saves once per node instead of once.
 """
@@ -13,7 +13,7 @@ from labkit import _hardware
 from labkit._checks._common import _metrics, _on
 from labkit._feedback import Feedback, check, launched
 
-EXERCISE = "08-nodes"
+EXERCISE = "09-nodes"
 
 HINTS = [
     "torchrun tells every rank two places: LOCAL_RANK among the ranks of its node (of "
@@ -38,8 +38,8 @@ def _two_nodes() -> dict:
 
 
 @check
-def check_nodes(target="scripts/ex08_nodes.py", *, timeout: float = 300) -> Feedback:
-    """Exercise 08-nodes: each rank knows its place in the whole job, uses a GPU of its own
+def check_nodes(target="scripts/ex09_nodes.py", *, timeout: float = 300) -> Feedback:
+    """Exercise 09-nodes: each rank knows its place in the whole job, uses a GPU of its own
     node, reads its own share of the data, and the job prints and saves once.
 
     Launches the script on two nodes of one rank each (``labkit.launch(..., nnodes=2)``) and
@@ -52,11 +52,11 @@ def check_nodes(target="scripts/ex08_nodes.py", *, timeout: float = 300) -> Feed
     Returns:
         a Feedback; a mistake in the script is a finding, never an exception.
 
-    Example (exercises/08_multinode.ipynb)::
+    Example (exercises/09_multinode.ipynb)::
 
-        labkit.check_nodes("scripts/ex08_nodes.py")
+        labkit.check_nodes("scripts/ex09_nodes.py")
     """
-    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-08-nodes",
+    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-09-nodes",
                              explain=_explain_failure, **_two_nodes())
     df = _metrics(feedback, run, ["rank_used", "world_size_used", "gpu", "first_batch", "batches"])
     _knows_its_place(feedback, df)

@@ -1,4 +1,4 @@
-"""Exercise 08-nodes: each mix-up of a node's numbers with the job's gets the message that names
+"""Exercise 09-nodes: each mix-up of a node's numbers with the job's gets the message that names
 it (real launches on two nodes of one rank each)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import labkit
 from mistakes import Mistake, each_named_by
 
-NOTEBOOK = "08_multinode.ipynb"
+NOTEBOOK = "09_multinode.ipynb"
 
 MISTAKES = {
     "rank-is-local-rank": Mistake('rank = int(os.environ["RANK"])\n', "rank = local_rank\n",

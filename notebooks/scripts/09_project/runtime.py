@@ -1,4 +1,4 @@
-"""Lesson 08's project: the distributed part in one place: set-up, tear-down, logging, metrics."""
+"""Lesson 09's project: the distributed part in one place: set-up, tear-down, logging, metrics."""
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,4 @@
-"""Lesson 08's project: every setting in one dataclass, which is also the command line."""
+"""Lesson 09's project: every setting in one dataclass, which is also the command line."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +21,7 @@ class Config:
     seed: int = 0
     amp: bool = True             # bf16 autocast, on CPU and GPU alike
     # bookkeeping
-    out_dir: str = "runs/08"     # each rank's log and the checkpoints
+    out_dir: str = "runs/09"     # each rank's log and the checkpoints
     log_every: int = 5           # optimizer steps between metrics lines
     ckpt_every: int = 20         # optimizer steps between checkpoints
     resume: bool = True          # continue from the newest checkpoint in out_dir
@@ -37,7 +37,7 @@ class Config:
     @classmethod
     def from_args(cls, argv: list[str] | None = None) -> "Config":
         """Config.from_args(["--epochs", "3", "--no-amp"]): one flag per field."""
-        parser = argparse.ArgumentParser(description="Lesson 08's trainer")
+        parser = argparse.ArgumentParser(description="Lesson 09's trainer")
         for field in dataclasses.fields(cls):
             flag = "--" + field.name.replace("_", "-")
             if field.type == "bool":  # --amp / --no-amp

@@ -1,4 +1,4 @@
-"""Exercise 10-tp-plan: a tensor-parallel plan for a gated MLP, proved against one process, its
+"""Exercise 11-tp-plan: a tensor-parallel plan for a gated MLP, proved against one process, its
 collectives counted and predicted."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from labkit._checks._common import _metrics, _on, _ranks
 from labkit._feedback import Feedback, check, launched
 
-EXERCISE = "10-tp-plan"
+EXERCISE = "11-tp-plan"
 
 HINTS = [
     "Each rank should compute silu(gate(h)) * up(h) for its own hidden units, with nothing from "
@@ -30,7 +30,7 @@ LAYERS = ("gate", "up", "down")
 #: Shard(dim=0) of the weight, a cut by inputs (RowwiseParallel) is Shard(dim=1).
 BY_OUTPUTS, BY_INPUTS = "Shard(dim=0)", "Shard(dim=1)"
 #: How far the split model may be from one process, relative to the largest value: float32
-#: sums added in another order (CPU), or GPU kernels that round differently (see lesson 10).
+#: sums added in another order (CPU), or GPU kernels that round differently (see lesson 11).
 TOLERANCE = {"cpu": 1e-5, "cuda": 1e-3}
 PREDICTIONS = ("forward_all_reduces", "backward_all_reduces", "bytes_per_all_reduce")
 COLUMNS = ["dim", "depth", "batch_size", *(f"{name}_placement" for name in LAYERS),
@@ -108,8 +108,8 @@ def _explain_the_crash(feedback: Feedback, target) -> None:
 
 
 @check
-def check_tp_plan(target="scripts/ex10_tp_plan.py", *, timeout: float = 300) -> Feedback:
-    """Exercise 10-tp-plan: each matrix of the gated block is cut as tensor parallelism needs, the
+def check_tp_plan(target="scripts/ex11_tp_plan.py", *, timeout: float = 300) -> Feedback:
+    """Exercise 11-tp-plan: each matrix of the gated block is cut as tensor parallelism needs, the
     split model's output and gradients equal one process's within a stated tolerance, its
     collectives are the all-reduces the plan should make, and the learner predicted them
     (2 ranks: GPUs when there are two or more, else CPU ranks).
@@ -125,11 +125,11 @@ def check_tp_plan(target="scripts/ex10_tp_plan.py", *, timeout: float = 300) -> 
     Returns:
         a Feedback; a mistake in the script is a finding, never an exception.
 
-    Example (exercises/10_parallelisms.ipynb)::
+    Example (exercises/11_tensor_parallel.ipynb)::
 
-        labkit.check_tp_plan("scripts/ex10_tp_plan.py")
+        labkit.check_tp_plan("scripts/ex11_tp_plan.py")
     """
-    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-10-tp-plan",
+    feedback, run = launched(EXERCISE, target, timeout=timeout, name="check-11-tp-plan",
                              explain=_explain_the_crash, **dict(_ranks(2), nproc=2))
     logged = _read(feedback, run)
     plan_right = _plan(feedback, logged)
