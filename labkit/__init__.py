@@ -93,6 +93,24 @@ _LAZY = {
     "elastic_rounds": "labkit._elastic",
     "elastic_losses": "labkit._elastic",
     "plot_elastic": "labkit._elastic",
+    # lessons 11 and 12: strategies compared
+    "prove_same": "labkit._strategies",
+    "saved_tensors": "labkit._strategies",
+    "tensor_gap": "labkit._strategies",
+    "held_shards": "labkit._strategies",
+    "last_step": "labkit._strategies",
+    "measured_cost": "labkit._strategies",
+    "expected_cost": "labkit._strategies",
+    "collectives_per_step": "labkit._strategies",
+    # lesson 12: pipeline schedules
+    "schedule_order": "labkit._pipeline",
+    "most_in_flight": "labkit._pipeline",
+    "replay_schedule": "labkit._pipeline",
+    "schedule_events": "labkit._pipeline",
+    "stage_orders": "labkit._pipeline",
+    "early_starts": "labkit._pipeline",
+    "measured_bubble": "labkit._pipeline",
+    "plot_schedule": "labkit._pipeline",
 }
 _SUBMODULES = {"metrics", "data", "models", "checkpoint", "memory", "exercises", "syncbn", "comm"}
 

@@ -1,7 +1,7 @@
-"""Lesson 10: lesson 06's MLP stack on several ranks: data parallel (DDP, FSDP), tensor parallel
+"""Lesson 11: lesson 06's MLP stack on several ranks: data parallel (DDP, FSDP), tensor parallel
 (each block's matrices split), or FSDP and tensor parallel together on a 2-D mesh.
 
-Run it:  torchrun --standalone --nproc-per-node=2 scripts/10_tp.py --strategy tp
+Run it:  torchrun --standalone --nproc-per-node=2 scripts/11_tp.py --strategy tp
 """
 import argparse
 import logging

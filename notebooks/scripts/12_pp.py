@@ -1,7 +1,7 @@
-"""Lesson 10: lesson 06's MLP stack, pipeline parallel: each rank runs a stage of consecutive
+"""Lesson 12: lesson 06's MLP stack, pipeline parallel: each rank runs a stage of consecutive
 blocks, and the batch flows through the stages in micro-batches.
 
-Run it:  torchrun --standalone --nproc-per-node=2 scripts/10_pp.py --schedule 1f1b
+Run it:  torchrun --standalone --nproc-per-node=2 scripts/12_pp.py --schedule 1f1b
 """
 import argparse
 import os

@@ -1,0 +1,162 @@
+"""Strategies compared (labkit._strategies): a run's shards, costs and saved tensors read back, and
+the arithmetic of what each strategy holds and sends."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+import torch
+
+import labkit
+from labkit.models import MLPStack
+
+DIM, DEPTH, BATCH = 8, 4, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return MLPStack(dim=DIM, depth=DEPTH, in_features=DIM)
+
+
+@pytest.fixture(scope="module")
+def sizes(model):
+    """P (parameter bytes), what TP cuts, and the root's bytes, counted the way lesson 10 counted them."""
+    P = sum(p.numel() * 4 for p in model.parameters())
+    split = sum(p.numel() * 4 for n, p in model.named_parameters()
+                if n.split(".")[-2] in ("fc1", "fc2") and not n.endswith("fc2.bias"))
+    root = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("blocks."))
+    return P, split, root
+
+
+def cost(strategy, model, ranks, **kw):
+    return labkit.expected_cost(strategy, model, ranks=ranks, batch_size=BATCH, **kw)
+
+
+def test_one_process_and_ddp_hold_the_whole_model(model, sizes):
+    P, _, _ = sizes
+    one = cost("one process", model, 1)
+    assert list(one.index) == [0] and one.loc[0, "state_bytes"] == 3 * P and one.loc[0, "sent_bytes"] == 0
+    ddp = cost("DDP", model, 2)
+    assert (ddp["state_bytes"] == 3 * P).all() and (ddp["sent_bytes"] == P).all()   # 2(n-1)/n = 1 at n=2
+    assert (cost("DDP", model, 4)["sent_bytes"] == 1.5 * P).all()
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_fsdp_shards_add_up_to_the_model(model, sizes, ranks):
+    P, _, root = sizes
+    fsdp = cost("FSDP", model, ranks)
+    assert fsdp["param_bytes"].sum() == P and (fsdp["state_bytes"] == 3 * fsdp["param_bytes"]).all()
+    assert (fsdp["sent_bytes"] == (ranks - 1) / ranks * (3 * P - root)).all()
+
+
+def test_fsdp_cuts_rows_as_torch_chunk_does(model):
+    """The head's 10 rows over 4 ranks: 3, 3, 3, 1 (torch.chunk), so rank 3 holds less."""
+    head = dict(model.named_parameters())["head.1.weight"]
+    assert [len(c) for c in torch.chunk(head, 4)] == [3, 3, 3, 1]
+    fsdp = cost("FSDP", model, 4)
+    assert fsdp.loc[3, "param_bytes"] < fsdp.loc[0, "param_bytes"]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_tp_cuts_fc1_and_fc2s_weight_and_sends_activations(model, sizes, ranks):
+    P, split, _ = sizes
+    tp = cost("TP", model, ranks)
+    assert (tp["param_bytes"] == P - split + split // ranks).all()
+    assert (tp["sent_bytes"] == 2 * (ranks - 1) / ranks * 2 * DEPTH * BATCH * DIM * 4).all()
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_pp_stages_hold_disjoint_parts_and_send_at_their_cuts(model, sizes, ranks):
+    P, _, _ = sizes
+    pp = cost("PP", model, ranks)
+    assert pp["param_bytes"].sum() == P
+    activations = BATCH * DIM * 4
+    assert list(pp["sent_bytes"]) == [activations] + [2 * activations] * (ranks - 2) + [activations]
+
+
+@pytest.mark.parametrize("ranks, tp", [(2, 2), (4, 2)])
+def test_fsdp_x_tp_is_tp_then_fsdp(model, sizes, ranks, tp):
+    P, split, root = sizes
+    dp = ranks // tp
+    two_d = cost("FSDP x TP", model, ranks, tp=tp)
+    assert two_d["param_bytes"].sum() == tp * (P - split) + split
+    local = P - split + split // tp
+    expected = 2 * (tp - 1) / tp * 2 * DEPTH * (BATCH // dp) * DIM * 4 + (dp - 1) / dp * (3 * local - root)
+    assert (two_d["sent_bytes"] - expected).abs().max() < 1e-9 * expected
+    if dp == 1:   # FSDP over one rank shards nothing: exactly TP
+        assert two_d.equals(cost("TP", model, ranks))
+
+
+@pytest.mark.parametrize("strategy, ranks, kw, match", [
+    ("ZeRO", 2, {}, r"unknown strategy 'ZeRO'"),
+    ("DDP", 0, {}, r"ranks must be a whole number >= 1"),
+    ("TP", 3, {}, r"4\*dim = 32, which must divide by 3"),
+    ("PP", 3, {}, r"depth must divide by ranks"),
+    ("FSDP x TP", 3, {"tp": 2}, r"tp \(2\) must divide the ranks \(3\)"),
+])
+def test_bad_input_is_refused(model, strategy, ranks, kw, match):
+    with pytest.raises(ValueError, match=match):
+        cost(strategy, model, ranks, **kw)
+
+
+def _run(tmp_path, rows, name="tp-2", saves=None):
+    for stem, per_rank in (saves or {}).items():
+        for rank, tensors in per_rank.items():
+            torch.save(tensors, tmp_path / f"{stem}_rank{rank}.pt")
+    df = pd.DataFrame(rows)
+    return SimpleNamespace(name=name, run_dir=tmp_path, metrics=lambda: df, info={"device": "cpu"})
+
+
+ROWS = [
+    {"rank": 0, "step": 0, "fc1_rows": 16.0, "fc1_cols": 8.0, "fc2_rows": 8.0, "fc2_cols": 16.0},
+    {"rank": 1, "step": 0, "fc1_rows": 16.0, "fc1_cols": 8.0, "fc2_rows": 8.0, "fc2_cols": 16.0},
+    {"rank": 0, "step": 1, "param_bytes": 100.0, "grad_bytes": 100.0, "optim_bytes": 100.0},
+    {"rank": 1, "step": 1, "param_bytes": 100.0, "grad_bytes": 100.0, "optim_bytes": 100.0},
+    {"rank": 0, "step": 1, "loss": 2.0, "sent_bytes": 64.0, "forward_all_reduce": 4.0, "backward_all_reduce": 4.0},
+    {"rank": 1, "step": 1, "loss": 2.0, "sent_bytes": 64.0, "forward_all_reduce": 4.0, "backward_all_reduce": 4.0},
+    {"rank": 0, "step": 2, "loss": 1.5, "sent_bytes": 32.0, "forward_all_reduce": 4.0, "backward_all_reduce": 4.0,
+     "backward_all_gather": 2.0},
+    {"rank": 1, "step": 2, "loss": 1.5, "sent_bytes": 32.0, "forward_all_reduce": 4.0, "backward_all_reduce": 4.0,
+     "backward_all_gather": 2.0},
+]
+
+
+def test_a_runs_shards_state_and_last_step_are_read_back(tmp_path):
+    run = _run(tmp_path, ROWS)
+    assert labkit.held_shards(run).to_dict("index")[1] == {"fc1_rows": 16, "fc1_cols": 8, "fc2_rows": 8, "fc2_cols": 16}
+    assert list(labkit.last_step(run)["sent_bytes"]) == [32.0, 32.0]
+    measured = labkit.measured_cost(run)
+    assert measured.loc[0].to_dict() == {"param_bytes": 100, "state_bytes": 300, "sent_bytes": 32.0}
+    assert labkit.collectives_per_step(run) == "8 all-reduce, 2 all-gather"
+
+
+def test_a_run_that_logged_no_state_is_a_clear_error(tmp_path):
+    run = _run(tmp_path, [{"rank": 0, "step": 1, "loss": 2.0}])
+    with pytest.raises(ValueError, match=r"tp-2 logged no param_bytes, grad_bytes, optim_bytes.*HINT"):
+        labkit.measured_cost(run)
+    with pytest.raises(ValueError, match=r"logged no sent_bytes"):
+        labkit.last_step(run)
+
+
+def test_saved_tensors_merge_the_ranks_and_gaps_are_relative(tmp_path):
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "pp").mkdir()
+    a, b = torch.tensor([1.0, -4.0]), torch.tensor([2.0, 2.0])
+    reference = _run(tmp_path / "ref", ROWS, name="one", saves={"grads": {0: {"a": a, "b": b}},
+                                                                "weights": {0: {"a": a, "b": b}}})
+    pipeline = _run(tmp_path / "pp", ROWS, name="pp", saves={"grads": {0: {"a": a}, 1: {"b": b + 0.02}},
+                                                             "weights": {0: {"a": a}, 1: {"b": b}}})
+    assert labkit.saved_tensors(pipeline, "grads").keys() == {"a", "b"}
+    assert labkit.tensor_gap(pipeline, reference, "grads") == pytest.approx(0.01)   # 0.02 / max|b| = 2
+    assert labkit.tensor_gap(pipeline, reference, "weights") == 0
+    same = labkit.prove_same(pipeline, reference, label="pp", loss_tol=1e-4, tensor_tol=0.02)
+    assert same.gap.max() == 0
+    with pytest.raises(AssertionError, match=r"pp: every gradient of the first step is 1.0e-02 .* tolerance 0.001"):
+        labkit.prove_same(pipeline, reference, label="pp", loss_tol=1e-4, tensor_tol=1e-3)
+    with pytest.raises(FileNotFoundError, match=r"no nope_rank<R>.pt .*HINT"):
+        labkit.saved_tensors(pipeline, "nope")
+    torch.save({"c": a}, tmp_path / "pp" / "weights_rank2.pt")
+    with pytest.raises(ValueError, match=r"different weights: only in one of them: \['c'\]"):
+        labkit.tensor_gap(pipeline, reference, "weights")
