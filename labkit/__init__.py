@@ -12,11 +12,13 @@ Notebook side (see each name's docstring)::
     labkit.plot_timeline(trace[trace["step"] == 5])                 # lesson 07
     DEVICE = labkit.lesson_device()            # "auto" on 2+ GPUs, else CPU ranks
     labkit.compare_losses(run, reference, epoch_tol=0.05).check()   # trained alike?
-    labkit.launch("scripts/08_project/train.py", nproc=1, nnodes=2)   # two nodes, one machine
-    labkit.sbatch("scripts/08_job.sbatch", nodes=2)                    # where Slurm answers
+    labkit.launch("scripts/09_project/train.py", nproc=1, nnodes=2)   # two nodes, one machine
+    labkit.sbatch("scripts/09_job.sbatch", nodes=2)                    # where Slurm answers
     labkit.launch(script, nproc=2, hang_timeout=5, events=[labkit.py_spy_dump()])   # a hang
     labkit.launch(script, nproc=1, nnodes=2, min_nodes=1, max_restarts=3,          # elastic
                   events=[labkit.kill_node(1, at_step=12), labkit.add_node(at_step=24)])
+    labkit.prove_same(tp, reference, label="TP", loss_tol=1e-4, tensor_tol=1e-5)   # lessons 11, 12
+    labkit.schedule_order("1f1b", 0, stages=2, microbatches=8)       # a pipeline stage's order (12)
 
 Exercises (``exercises/``)::
 
@@ -30,7 +32,7 @@ Script side::
     from labkit import syncbn, comm            # torch (lessons 03, 04):
     model = DDP(syncbn.convert_sync_batchnorm(model))   # BatchNorm over all ranks, any backend
     counter = comm.count_allreduces(model)              # DDP's gradient all-reduces, counted
-    with comm.count_collectives() as seen: ...          # every collective, in bytes (lesson 10)
+    with comm.count_collectives() as seen: ...          # every collective, in bytes (lesson 11)
     from labkit import checkpoint, memory      # torch (lessons 05, 06): atomic saves, bytes
 
 Names load lazily, so a rank that only imports ``labkit.metrics`` does not pay
@@ -71,6 +73,18 @@ _LAZY = {
     "read_trace": "labkit._trace",
     "overlap_ms": "labkit._trace",
     "plot_timeline": "labkit._trace",
+    # lesson 07: one DDP step taken apart
+    "step_events": "labkit._profile",
+    "allreduce_bytes": "labkit._profile",
+    "powersgd_numbers": "labkit._profile",
+    # lesson 08: waits, step 1, scaling
+    "data_wait_per_step": "labkit._speed",
+    "first_step_s": "labkit._speed",
+    "steady_step_s": "labkit._speed",
+    "ddp_rate": "labkit._speed",
+    "one_process_rates": "labkit._speed",
+    "baseline_name": "labkit._speed",
+    "scaling_report": "labkit._speed",
     "is_smoke": "labkit._hardware",
     "LabkitError": "labkit._errors",
     "LaunchError": "labkit._errors",
@@ -80,11 +94,11 @@ _LAZY = {
     "RankFailure": "labkit._errors",
     "Feedback": "labkit._feedback",
     "hint": "labkit._hints",
-    # lesson 08: Slurm
+    # lesson 09: Slurm
     "sbatch": "labkit._slurm",
     "slurm_status": "labkit._slurm",
     "SlurmStatus": "labkit._slurm",
-    # lesson 09: hangs and elastic training
+    # lesson 10: hangs and elastic training
     "py_spy_dump": "labkit._hang",
     "dump_stack": "labkit._hang",
     "flight_records": "labkit._flight",

@@ -103,10 +103,10 @@ def test_writefile_cells_are_short(path):
 
 
 #: The lesson scripts whose runs are compared with each other: across world sizes (02-04),
-#: across a resume (05), DDP against FSDP (06), each knob against plain float32 (07). Lesson 01
-#: trains alone and keeps augmentation.
+#: across a resume (05), DDP against FSDP (06), each hook (07) and each knob (08) against plain
+#: float32. Lesson 01 trains alone and keeps augmentation.
 COMPARED = ["02_ddp.py", "03_syncbn.py", "04_accumulation.py", "05_checkpointing.py", "06_fsdp.py",
-            "07_performance.py"]
+            "07_profiling.py", "08_speed.py"]
 
 
 @pytest.mark.parametrize("script", COMPARED)

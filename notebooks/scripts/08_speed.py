@@ -1,6 +1,6 @@
-"""Lesson 07: the lesson-02 DDP loop, with the knobs that decide where a step's time goes.
+"""Lesson 08: lesson 07's profiled DDP loop, with the knobs that make a step cheaper or hide its waits.
 
-Run it:  torchrun --standalone --nproc-per-node=2 scripts/07_performance.py --synthetic --profile-steps 2
+Run it:  torchrun --standalone --nproc-per-node=2 scripts/08_speed.py --synthetic --precision bf16
 """
 import argparse
 import os
@@ -31,12 +31,13 @@ parser.add_argument("--log-every", type=int, default=10, help="steps between met
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data-dir", default="data")
 parser.add_argument("--synthetic", action="store_true", help="the synthetic set, no CIFAR-10")
-# --- the knobs of this lesson: each one moves where a step's time goes ------------------
+# --- lesson 07's knobs: what to profile, and how the gradients travel --------------------
 parser.add_argument("--profile-steps", type=int, default=0, help="profile this many steps")
 parser.add_argument("--profile-after", type=int, default=4, help="steps to run before profiling")
 parser.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP's gradient bucket size")
 parser.add_argument("--comm-hook", choices=["none", "bf16", "fp16", "powersgd"], default="none",
                     help="compress the gradients DDP all-reduces")
+# --- lesson 08's knobs: cheaper maths, fewer kernels, a loader that hides the disk -------
 parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
                     help="autocast's dtype (fp16 with a GradScaler: GPUs only)")
 parser.add_argument("--compile", default=None, metavar="BACKEND",
@@ -130,7 +131,7 @@ def save_trace(prof):  # called once the profiled steps are over
 
 
 profiler = None
-if args.profile_steps:  # not the first steps: DDP rebuilds its buckets there, compiling happens
+if args.profile_steps:  # not the first steps: DDP rebuilds its buckets after step 1
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     profiler = profile(activities=activities, record_shapes=True, on_trace_ready=save_trace,
                        schedule=schedule(wait=args.profile_after, warmup=1,
@@ -175,7 +176,7 @@ for epoch in range(args.epochs):
 if profiler:
     profiler.stop()
 
-# --- what DDP, the hooks and the compiler counted ---------------------------------------
+# --- what DDP, the hooks and the compiler counted ----------------------------------------
 if ddp:
     stats = model._get_ddp_logging_data()  # DDP's own bookkeeping, averaged over sampled steps
     metrics.log(step, buckets=len(str(stats["rebuilt_bucket_sizes"]).split(",")),

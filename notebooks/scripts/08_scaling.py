@@ -1,8 +1,8 @@
-"""Lesson 07 bench: one training step of the lesson's model, timed on many settings side by side.
+"""Lesson 08 bench: one training step of the lesson's model, under DDP and as one process alone.
 
-Run it:  torchrun --standalone --nproc-per-node=2 scripts/07_bench.py
-On several ranks: DDP's bucket sizes and options; then rank 0 alone (the others wait, idle)
-times the same step as one process, for the scaling report. On one process: that part only.
+Run it:  torchrun --standalone --nproc-per-node=2 scripts/08_scaling.py
+On several ranks: DDP at its default buckets; then rank 0 alone (the others wait, idle) times
+the same step as one process, for the scaling report. On one process: that part only.
 """
 import argparse
 import os
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.profiler import ProfilerActivity, profile, record_function, schedule
+from torch.profiler import record_function
 from torch.utils.flop_counter import FlopCounterMode
 
 from labkit import metrics
@@ -24,7 +24,6 @@ parser.add_argument("--width", type=int, default=32)
 parser.add_argument("--batch-size", type=int, default=128, help="per rank")
 parser.add_argument("--steps", type=int, default=5, help="timed steps in each repeat")
 parser.add_argument("--repeats", type=int, default=5, help="rounds over every setting")
-parser.add_argument("--bucket-caps", default="0.02,0.2,25", help="DDP: bucket_cap_mb to compare")
 parser.add_argument("--ranks", type=int, default=2, help="one process alone: the world size to compare")
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
@@ -96,18 +95,6 @@ def bench(settings) -> None:
             print(f"{name:>34}: {1000 * statistics.median(found):7.1f} ms a step (median)")
 
 
-def save_trace(setting, name: str) -> None:
-    """Profile a round of the setting's steps, after one round that is not kept, into the run
-    folder (labkit's, else here) as trace_rank<R>_<name>.json."""
-    steps = len(setting["batches"])
-    path = os.path.join(os.environ.get(metrics.RUN_DIR_ENV, "."), f"trace_rank{rank}_{name}.json")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, record_shapes=True, on_trace_ready=lambda p: p.export_chrome_trace(path),
-                 schedule=schedule(wait=0, warmup=steps, active=steps, repeat=1)) as profiler:
-        for _ in range(2):
-            run_steps(setting, profiler)
-
-
 def baselines(ranks: int) -> None:
     """One process alone on the machine: the same step with one rank's threads and with every
     core, at the per-rank and the global batch; the FLOPs of a step; the peak of a matmul."""
@@ -142,28 +129,9 @@ def baselines(ranks: int) -> None:
         print(f"peak of a {n}×{n} matmul on {where}: {statistics.median(rates[1:]) / 1e9:,.1f} GFLOP/s")
 
 
-if world_size > 1:  # --- DDP on every rank: bucket sizes, and two options that save work ----
-    settings = {f"buckets of {cap:g} MB": make({"bucket_cap_mb": cap})
-                for cap in map(float, args.bucket_caps.split(","))}
-    settings["gradient_as_bucket_view"] = make({"gradient_as_bucket_view": True})
-    settings["static_graph"] = make({"static_graph": True})
-    bench(settings)
-    first = None
-    for name, setting in settings.items():
-        model = setting["model"]
-        stats = model._get_ddp_logging_data()  # what DDP measured and decided (sampled steps)
-        grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
-                 for p in model.parameters()}  # each distinct block of gradient memory, once
-        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-        first = weights if first is None else first
-        metrics.log(0, setting=name, buckets=len(str(stats["rebuilt_bucket_sizes"]).split(",")),
-                    bucket_bytes=sum(map(int, str(stats["rebuilt_bucket_sizes"]).split(","))),
-                    overlap_ms=stats.get("avg_backward_compute_comm_overlap_time", 0) / 1e6,
-                    grad_blocks=len(grads), grad_bytes=sum(grads.values()),
-                    gap_to_first=(weights - first).abs().max())  # the same maths: 0
-    for i, name in enumerate(settings):  # each bucket size's steps, as the profiler sees them
-        if name.startswith("buckets"):
-            save_trace(settings[name], f"buckets{i}")
+
+if world_size > 1:  # --- DDP on every rank, at its default buckets; then one process alone ----
+    bench({"DDP": make({})})
     waited, used = time.perf_counter(), time.process_time()
     if rank == 0:  # then rank 0 alone is one process on the machine: the baselines
         baselines(world_size)
