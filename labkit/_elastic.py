@@ -1,4 +1,4 @@
-"""Elastic runs: nodes that leave and join while the job trains (lesson 09).
+"""Elastic runs: nodes that leave and join while the job trains (lesson 10).
 
 ``launch(script, nproc=1, nnodes=2, min_nodes=1, max_restarts=3, events=[...])`` starts two
 torchrun agents with ``--nnodes=1:2``: the job runs on two nodes, and carries on with one.
@@ -10,7 +10,7 @@ torchrun agents with ``--nnodes=1:2``: the job runs on two nodes, and carries on
   node) with the same rendezvous: it waits for the next round, the running agents see a node
   waiting, stop their workers and meet it; the world grows back.
 
-What torch 2.14 does (measured on one machine, two CPU ranks; lesson 09 shows each):
+What torch 2.14 does (measured on one machine, two CPU ranks; lesson 10 shows each):
 
 - The survivors' ranks fail in their next collective (the peer is gone); their agent then
   meets the rendezvous again. The dead node is dropped once its heartbeats have been missing
@@ -242,7 +242,7 @@ def kill_node(node: int, *, at_step: int | None = None, world_size: int | None =
         world_size: once rank 0 has logged 5 steps in a world of this many ranks.
             With both, both must hold. Events fire in the order listed, each once.
 
-    Example (lesson 09)::
+    Example (lesson 10)::
 
         labkit.launch(script, nproc=1, nnodes=2, min_nodes=1, max_restarts=3,
                       events=[labkit.kill_node(1, at_step=12), labkit.add_node(world_size=1)])
@@ -281,7 +281,7 @@ def _assign_rounds(df):
 
 
 def elastic_losses(run):
-    """The loss of every step of an elastic run, round by round (lesson 09).
+    """The loss of every step of an elastic run, round by round (lesson 10).
 
     A round is one stretch of training with one set of ranks: the job's first start, then
     every restart after a node left or joined. Steps done again after a restart appear once
@@ -290,7 +290,7 @@ def elastic_losses(run):
 
     Args:
         run: a ``Run`` whose script logs ``loss`` every step (and ``resumed_from`` when it
-            resumes, as lesson 09's does).
+            resumes, as lesson 10's does).
 
     Returns:
         a DataFrame with ``round``, ``step``, ``world_size``, ``time_s`` (seconds since the
@@ -312,7 +312,7 @@ def elastic_losses(run):
 
 
 def elastic_rounds(run):
-    """One row per round of an elastic run: who trained, from where, to where (lesson 09).
+    """One row per round of an elastic run: who trained, from where, to where (lesson 10).
 
     Returns:
         a DataFrame with ``round``, ``world_size``, ``start_s`` and ``end_s`` (seconds since the
@@ -347,7 +347,7 @@ def elastic_rounds(run):
 
 
 def plot_elastic(run, *, axes=None, title: str | None = None):
-    """World size and loss over time, with the moments nodes left and joined (lesson 09).
+    """World size and loss over time, with the moments nodes left and joined (lesson 10).
 
     Args:
         run: an elastic ``Run`` (its ``info["events"]`` marks the kills and joins).

@@ -84,7 +84,7 @@ def _ancestors() -> set[int]:
 def marked_processes(marker: bytes) -> list[int]:
     """Pids of processes whose environment holds ``marker`` (Linux /proc), but not this one or
     its ancestors. slurmstepd leaves its slurmd's process tree (it is re-parented to init), so
-    a job's processes are found by the ``SLURM_CONF=...`` they all inherited (lesson 08's
+    a job's processes are found by the ``SLURM_CONF=...`` they all inherited (lesson 09's
     one-host cluster, ``labkit._slurm_cluster``)."""
     if not os.path.isdir("/proc"):
         return []

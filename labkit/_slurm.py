@@ -1,4 +1,4 @@
-"""Slurm from a notebook (lesson 08): is a cluster answering, and submit a batch script to it.
+"""Slurm from a notebook (lesson 09): is a cluster answering, and submit a batch script to it.
 
 ``labkit.sbatch`` is ``sbatch`` plus what a notebook needs: the job's output streams into the
 cell, a timeout or the interrupt button cancels the job (``scancel``), and the ranks log their
@@ -48,7 +48,7 @@ class SlurmStatus:
 def slurm_status(*, timeout: float = 10.0) -> SlurmStatus:
     """Is ``sbatch`` on PATH and does a controller answer with at least one usable node?
 
-    Example (lesson 08)::
+    Example (lesson 09)::
 
         slurm = labkit.slurm_status()
         if not slurm:

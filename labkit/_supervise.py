@@ -262,7 +262,7 @@ def place(script: str, frames: list[dict], frame: dict) -> str:
     """'scripts/x.py:12 in <module>, inside all_reduce (distributed_c10d.py)': where a thread of
     the script is. ``frames``: the thread's frames, innermost first (dicts with file, line and
     func); ``frame``: the script's innermost one among them. Timeouts (faulthandler's dumps) and
-    lesson 09's py-spy dumps say it in this one form, so the two can be compared."""
+    lesson 10's py-spy dumps say it in this one form, so the two can be compared."""
     where = f"{script}:{frame['line']} in {frame['func'].strip()}"
     if frames[0] is not frame:
         where += f", inside {frames[0]['func'].strip()} ({os.path.basename(frames[0]['file'])})"

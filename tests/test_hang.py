@@ -1,4 +1,4 @@
-"""py-spy, from outside a process (lesson 09): dumps read, parsed and shown briefly."""
+"""py-spy, from outside a process (lesson 10): dumps read, parsed and shown briefly."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import labkit
 from labkit import _hang
 
 DUMP = """\
-Process 4242: /venv/bin/python -u -m labkit._entry scripts/09_hang.py --steps 5
+Process 4242: /venv/bin/python -u -m labkit._entry scripts/10_hang.py --steps 5
 Python v3.11.7 (/usr/bin/python3.11)
 
 Thread 4242 (idle): "MainThread"
     all_reduce (torch/distributed/distributed_c10d.py:3913)
     _exception_logger.<locals>.wrapper (torch/distributed/c10d_logger.py:83)
-    train_step (09_hang.py:29)
-    <module> (09_hang.py:39)
+    train_step (10_hang.py:29)
+    <module> (10_hang.py:39)
     _run_code (<frozen runpy>:88)
     main (labkit/_entry.py:211)
 Thread 4250 (idle): "labkit-watch"
@@ -30,14 +30,14 @@ Thread 4250 (idle): "labkit-watch"
 
 
 def test_where_a_rank_waits_is_read_from_a_dump():
-    assert _hang.where(DUMP, "scripts/09_hang.py") == (
-        "scripts/09_hang.py:29 in train_step, inside all_reduce (distributed_c10d.py)")
+    assert _hang.where(DUMP, "scripts/10_hang.py") == (
+        "scripts/10_hang.py:29 in train_step, inside all_reduce (distributed_c10d.py)")
     assert _hang.where(DUMP, "scripts/other.py") is None
 
 
 def test_a_dump_is_shown_down_to_the_scripts_outermost_frame():
-    shown = _hang.excerpt(DUMP, "scripts/09_hang.py")
-    assert shown[0].startswith("Process 4242") and shown[-1].strip() == "<module> (09_hang.py:39)"
+    shown = _hang.excerpt(DUMP, "scripts/10_hang.py")
+    assert shown[0].startswith("Process 4242") and shown[-1].strip() == "<module> (10_hang.py:39)"
     assert not any("labkit-watch" in line or "runpy" in line for line in shown)
 
 

@@ -122,6 +122,23 @@ def test_compared_runs_read_unaugmented_data(script):
         f"{script}: get_datasets(..., augment=False), or its runs differ on CIFAR-10")
 
 
+LESSON_MAX_CELLS = 64      # curriculum.md: each lesson is one sitting; one that outgrows it splits
+MARKDOWN_MAX_LINES = 40    # prose comes in short cells, a step or an idea each
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_lesson_is_one_sitting(path):
+    cells = _cells(path)
+    assert len(cells) <= LESSON_MAX_CELLS, (
+        f"{path.name} has {len(cells)} cells, over {LESSON_MAX_CELLS}: split the lesson in two "
+        f"(as 07/08 and 11/12 were), or move helper code into labkit")
+    for index, cell in enumerate(cells):
+        lines = len(_source(cell).rstrip("\n").splitlines())
+        assert cell["cell_type"] != "markdown" or lines <= MARKDOWN_MAX_LINES, (
+            f"{path.name} cell {index} is {lines} lines of markdown, over {MARKDOWN_MAX_LINES}: "
+            f"split it where its topic changes")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_lesson_spine(path):
     """Every lesson ends with a summary that points at its exercises."""
