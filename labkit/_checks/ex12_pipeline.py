@@ -3,9 +3,10 @@
 The skeleton builds lesson 06's ``MLPStack`` from one seed on both ranks and keeps half of it on
 each (stage 0: the stem and the first blocks; stage 1: the other blocks, the head, the loss),
 draws the same global batches on both, counts the sends of each step (``labkit.comm``), logs
-stage 1's loss, and saves each stage's weights at the end. The check trains the whole model on
-the whole batch in one process, on the same batches, and compares: the loss at every step and
-every weight at the end, stage by stage. A pipeline whose sends and receives do not pair up
+stage 1's loss, and saves each stage's gradients of the first step and its weights at the end.
+The check trains the whole model on the whole batch in one process, on the same batches, and
+compares, as lesson 12 does: the loss at every step, then, stage by stage, every gradient of
+the first step and every weight at the end. A pipeline whose sends and receives do not pair up
 hangs; the launch is stopped after ``HANG_S`` seconds of silence and says where each rank waited.
 """
 
@@ -64,9 +65,10 @@ def check_pipeline(target="scripts/ex12_pipeline.py", *, timeout: float = 180) -
                              name="check-12-pipeline", explain=_explain)
     df = _metrics(feedback, run, ["loss", "sends", "sent_bytes", *SETTINGS])
     setting = {k: int(v) if k != "lr" else float(v) for k, v in _config(df, SETTINGS).items()}
-    want_losses, want_weights = _one_process(setting)
+    want_losses, want_grads, want_weights = _one_process(setting)
     _sends(feedback, df, setting)
     _losses(feedback, df, want_losses, setting)
+    _first_gradients(feedback, _saved(feedback, run, "grads"), want_grads)
     _weights(feedback, _saved(feedback, run, "weights"), want_weights)
     return feedback
 
@@ -86,7 +88,8 @@ def _explain(feedback: Feedback, target) -> None:
 
 
 def _one_process(setting: dict):
-    """The whole model trained on the whole batch in one process: each step's loss, the final weights."""
+    """The whole model trained on the whole batch in one process: each step's loss, the first
+    step's gradients, the final weights."""
     import torch
     import torch.nn.functional as F
 
@@ -96,16 +99,18 @@ def _one_process(setting: dict):
     model = MLPStack(dim=setting["dim"], depth=setting["depth"], in_features=setting["dim"])
     optimizer = torch.optim.SGD(model.parameters(), lr=setting["lr"], momentum=0.9)
     teacher = torch.randn(setting["dim"], 10, generator=torch.Generator().manual_seed(setting["seed"] + 1))
-    losses = []
+    losses, grads = [], {}
     for step in range(1, setting["steps"] + 1):
         generator = torch.Generator().manual_seed(1000 * setting["seed"] + step)
         x = torch.randn(setting["batch_size"], setting["dim"], generator=generator)
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), (x @ teacher).argmax(dim=1))
         loss.backward()
+        if step == 1:
+            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
         optimizer.step()
         losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, grads, {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
 def _sends(feedback: Feedback, df, setting: dict) -> None:
@@ -133,12 +138,12 @@ def _sends(feedback: Feedback, df, setting: dict) -> None:
 
 def _losses(feedback: Feedback, df, want: list, setting: dict) -> None:
     """Stage 1's loss at every step is one process's, on the whole batch."""
-    got = df[(df["rank"] == 1) & (df["step"] > 0)].dropna(subset=["loss"]).set_index("step")["loss"]
+    got = df[(df["rank"] == 1) & (df["step"] > 0)].dropna(subset=["sends"]).set_index("step")["loss"]
     if list(got.index) != list(range(1, len(want) + 1)):
         feedback.fail(f"stage 1 logs the loss of each of the {len(want)} steps; it logged steps {list(got.index)}: "
                       f"keep the skeleton's metrics.log(...) lines, and append each micro-batch's loss to losses.")
         return
-    gaps = [abs(g - w) for g, w in zip(got, want)]
+    gaps = [abs(g - w) if g == g else float("inf") for g, w in zip(got, want)]   # NaN: as far as it gets
     m = setting["microbatches"]
     if gaps[0] > LOSS_TOL and abs(got.iloc[0] - m * want[0]) <= LOSS_TOL * m:
         feedback.fail(f"the loss at step 1 is {got.iloc[0]:.4f}, {m} times one process's {want[0]:.4f}: the "
@@ -153,30 +158,53 @@ def _losses(feedback: Feedback, df, want: list, setting: dict) -> None:
                     f"has {want[worst]:.4f} (tolerance {LOSS_TOL:g}).", hint=2)
 
 
-def _weights(feedback: Feedback, saved: dict, want: dict) -> None:
-    """Every weight of each stage, at the end, is one process's."""
-    wrong = {}
+def _gaps(saved: dict, want: dict, what: str, feedback: Feedback) -> dict:
+    """{stage: (its worst tensor, its gap)} for the stages whose tensors are off (NaN counts as off)."""
+    off = {}
     for rank, tensors in saved.items():
+        unknown = [k for k in tensors if k not in want]
+        if unknown or not tensors:
+            feedback.stop(f"stage {rank} saved {what} the model does not have ({unknown[:3]}): keep the "
+                          f"skeleton's save(...) lines as they are.")
         gaps = {k: float((v - want[k]).abs().max() / want[k].abs().max().clamp(min=1e-12))
-                for k, v in tensors.items() if k in want}
-        missing = [k for k in tensors if k not in want]
-        if missing or not gaps:
-            feedback.stop(f"stage {rank} saved tensors the model does not have ({missing[:3]}): keep the "
-                          f"skeleton's torch.save(...) lines as they are.")
-        worst = max(gaps, key=gaps.get)
-        if gaps[worst] > TENSOR_TOL:
-            wrong[rank] = (worst, gaps[worst])
-    if not wrong:
-        feedback.ok(f"every weight of both stages ends within {TENSOR_TOL:g} of one process's (relative): the "
-                    f"pipeline trained the whole model as one process does")
-    elif list(wrong) == [0]:
-        name, gap = wrong[0]
-        feedback.fail(f"stage 0's weights are not one process's ({name} is {gap:.1e} off, relative), though "
-                      f"stage 1's are: stage 0's backward must carry the gradient stage 1 sent back, "
+                for k, v in tensors.items()}
+        worst = max(gaps, key=lambda k: gaps[k] if gaps[k] == gaps[k] else float("inf"))
+        if not gaps[worst] <= TENSOR_TOL:
+            off[rank] = (worst, gaps[worst])
+    return off
+
+
+def _first_gradients(feedback: Feedback, saved: dict, want: dict) -> None:
+    """Every gradient of the first step, stage by stage, is one process's: the backward pass is right."""
+    mine = set().union(*(t.keys() for t in saved.values()))
+    missing = sorted(k for k in want if k not in mine)
+    if missing:
+        feedback.fail(f"after the first backward, {missing[0]} has no gradient (and {len(missing) - 1} more): "
+                      f"each stage must run backward over every micro-batch.", hint=2)
+        return
+    off = _gaps(saved, want, "gradients", feedback)
+    if not off:
+        feedback.ok(f"every gradient of the first step, on both stages, is within {TENSOR_TOL:g} of one "
+                    f"process's (relative): the backward pass crossed the stages right")
+    elif list(off) == [0]:
+        name, gap = off[0]
+        feedback.fail(f"stage 0's first gradients are not one process's ({name} is {gap:.1e} off, relative), "
+                      f"though stage 1's are: stage 0's backward must carry the gradient stage 1 sent back, "
                       f"out.backward(grad), for the output that gradient belongs to.", hint=2)
     else:
-        ranks = sorted(wrong)
-        name, gap = wrong[ranks[0]]
-        feedback.fail(f"the weights of {_on(ranks, 2).replace('rank', 'stage')} are not one process's ({name} "
-                      f"is {gap:.1e} off, relative): each stage must run the forward and the backward of every "
-                      f"micro-batch once, with the loss divided by m.", hint=2)
+        name, gap = off[min(off)]
+        feedback.fail(f"the first gradients of {_on(sorted(off), 2).replace('rank', 'stage')} are not one "
+                      f"process's ({name} is {gap:.1e} off, relative): each stage must run the forward and "
+                      f"the backward of every micro-batch once, with the loss divided by m.", hint=2)
+
+
+def _weights(feedback: Feedback, saved: dict, want: dict) -> None:
+    """Every weight of each stage, at the end, is one process's."""
+    off = _gaps(saved, want, "weights", feedback)
+    if not off:
+        feedback.ok(f"every weight of both stages ends within {TENSOR_TOL:g} of one process's (relative): the "
+                    f"pipeline trained the whole model as one process does")
+        return
+    name, gap = off[min(off)]
+    feedback.fail(f"at the end, the weights of {_on(sorted(off), 2).replace('rank', 'stage')} are not one "
+                  f"process's ({name} is {gap:.1e} off, relative).", hint=2)

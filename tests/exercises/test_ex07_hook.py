@@ -12,7 +12,7 @@ _COUNT = 'state["bytes"] += compressed.numel() * compressed.element_size()'
 _ASYNC = "future = dist.all_reduce(compressed, async_op=True).get_future()"
 _HALVED = "as bfloat16: half of float32's"
 _COUNTED = "your hook counted what it sent"
-_OVERLAP = "your all-reduces overlapped the backward pass"
+_OVERLAP = "your hook returned without waiting"
 _FOLLOWS = "the loss follows float32 training on the same batches"
 
 MISTAKES = {

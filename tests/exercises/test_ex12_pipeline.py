@@ -11,7 +11,6 @@ _LOSS = "losses.append(F.cross_entropy(run_stage(h), ym) / m)  # the mean over m
 _BACKWARD = "out.backward(grad)  # carries it back through this stage's layers"
 _SEND_BACK = "dist.send(h.grad, dst=0)  # back to the previous stage"
 _SENDS = "each stage sent 4 tensors a step"
-_SAME_LOSS = "the loss at every step is one process's"
 
 MISTAKES = {
     "loss-not-averaged": Mistake(_LOSS, "losses.append(F.cross_entropy(run_stage(h), ym))",
@@ -19,7 +18,7 @@ MISTAKES = {
     # Stage 0 ends its backward on its own, without the gradient stage 1 sent: only stage 0 goes wrong.
     "backward-without-the-gradient": Mistake(_BACKWARD, "out.sum().backward()",
                                              "stage 0's backward must carry the gradient stage 1 sent back",
-                                             (_SENDS, _SAME_LOSS), hint=2),
+                                             (_SENDS,), hint=2),
     # Stage 1 never answers: stage 0 waits in recv for ever.
     "no-gradient-sent-back": Mistake(_SEND_BACK, "pass", "the stages waited for each other for ever", hint=1),
     "no-requires-grad": Mistake("h.requires_grad_()  # its gradient is what stage 0 needs", "pass",
