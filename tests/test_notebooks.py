@@ -47,6 +47,10 @@ STORED = NOTEBOOKS + [p for folder in ("exercises", "solutions")   # solutions/:
 def test_stored_clean(path):
     nb = json.loads(path.read_text())
     assert nb["metadata"]["kernelspec"]["name"] == "python3"
+    ids = [cell.get("id") for cell in nb["cells"]]
+    assert len(set(ids)) == len(ids), (
+        f"{path.name} repeats cell ids {sorted({i for i in ids if ids.count(i) > 1})}: Jupyter renames "
+        f"them at random on every load, and the diffs fill with noise")
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
             assert cell.get("outputs") == [] and cell.get("execution_count") is None, (
