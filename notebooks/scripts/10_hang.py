@@ -5,6 +5,7 @@ Run it:  torchrun --standalone --nproc-per-node=2 scripts/10_hang.py --timeout 1
 import argparse
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,9 @@ except RuntimeError:
     if int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0")) > 0:
         from torch._C._distributed_c10d import _dump_fr_trace  # no public name for it yet
         prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", "/tmp/nccl_trace_rank_")
-        with open(f"{prefix}{rank}", "wb") as f:
+        with open(f"{prefix}{rank}.tmp", "wb") as f:  # another name until it is whole
             f.write(_dump_fr_trace())
+        os.replace(f"{prefix}{rank}.tmp", f"{prefix}{rank}")
+        time.sleep(1)  # torchrun stops every rank once one fails: let the others dump theirs too
     raise
 dist.destroy_process_group()
