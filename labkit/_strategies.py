@@ -231,7 +231,8 @@ def expected_cost(strategy: str, model, *, ranks: int, batch_size: int, tp: int 
     - **DDP**: the whole model on every rank; all-reduces every gradient: 2(n-1)/n · P bytes.
     - **FSDP**: each parameter cut by rows into n parts (``torch.chunk``); all-gathers the
       weights in forward and again in backward (but the root's, which stay gathered) and
-      reduce-scatters the gradients: (n-1)/n · (P + (P - root) + P).
+      reduce-scatters the gradients: (n-1)/n · (P + (P - root) + P), where each parameter counts
+      with its rows padded to a multiple of n (FSDP's collectives send equal shards).
     - **TP**: ``fc1`` (weight and bias) and ``fc2``'s weight cut into n slices, the rest whole;
       two all-reduces per block of the activations, batch × dim: 2(n-1)/n · 2 · depth · batch · dim · 4.
     - **PP**: stage s holds its blocks (stage 0 also the stem, the last the head); every stage
@@ -267,7 +268,6 @@ def expected_cost(strategy: str, model, *, ranks: int, batch_size: int, tp: int 
     size = {name: p.element_size() for name, p in params.items()}
     total = sum(p.numel() * size[n] for n, p in params.items())
     cut = {n for n in params if n.split(".")[-2] in TP_LAYERS and not n.endswith("fc2.bias")}
-    root = sum(p.numel() * size[n] for n, p in params.items() if not n.startswith("blocks."))
     split = sum(params[n].numel() * size[n] for n in cut)
     dim, depth = model.blocks[0].fc1.in_features, len(model.blocks)
     activation = batch_size * dim * 4                        # float32 activations, the whole batch
@@ -283,6 +283,12 @@ def expected_cost(strategy: str, model, *, ranks: int, batch_size: int, tp: int 
     def fsdp_bytes(shapes, n, r):                             # rank r's rows of every tensor, cut by FSDP
         return sum(_chunk(s[0], n, r) * _numel(s[1:]) * size[k] for k, s in shapes.items())
 
+    def padded(shapes, n, names=None):                        # what FSDP's collectives carry: equal shards
+        return sum(-(-s[0] // n) * n * _numel(s[1:]) * size[k] for k, s in shapes.items()
+                   if names is None or k in names)
+
+    roots = {n for n in params if not n.startswith("blocks.")}
+
     if strategy == "one process" or ranks == 1 and strategy != "FSDP x TP":
         held, sent = [total] * ranks, [0.0] * ranks
     elif strategy == "DDP":
@@ -290,7 +296,8 @@ def expected_cost(strategy: str, model, *, ranks: int, batch_size: int, tp: int 
     elif strategy == "FSDP":
         shapes = {k: list(p.shape) for k, p in params.items()}
         held = [fsdp_bytes(shapes, ranks, r) for r in range(ranks)]
-        sent = [(ranks - 1) / ranks * (total + (total - root) + total)] * ranks
+        whole = padded(shapes, ranks)
+        sent = [(ranks - 1) / ranks * (whole + (whole - padded(shapes, ranks, roots)) + whole)] * ranks
     elif strategy == "TP":
         if 4 * dim % ranks:
             raise ValueError(f"TP over {ranks} ranks cuts 4*dim = {4 * dim}, which must divide by {ranks}")
@@ -311,9 +318,9 @@ def expected_cost(strategy: str, model, *, ranks: int, batch_size: int, tp: int 
             raise ValueError(f"FSDP x TP: tp ({tp}) must divide the ranks ({ranks}) and 4*dim ({4 * dim})")
         dp = ranks // tp
         shapes = {k: tp_shape(k, tp) for k in params}
-        local = total - split + split // tp
+        local = padded(shapes, dp)                            # what a TP rank holds, padded for FSDP
         held = [fsdp_bytes(shapes, dp, r // tp) for r in range(ranks)]
         sent = [ring(tp) * 2 * depth * (batch_size // dp) * dim * 4
-                + (dp - 1) / dp * (local + (local - root) + local)] * ranks
+                + (dp - 1) / dp * (local + (local - padded(shapes, dp, roots)) + local)] * ranks
     return pd.DataFrame({"param_bytes": held, "state_bytes": [3 * h for h in held],
                          "sent_bytes": [float(s) for s in sent]}, index=pd.RangeIndex(ranks, name="rank"))

@@ -45,10 +45,18 @@ def test_one_process_and_ddp_hold_the_whole_model(model, sizes):
 
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_fsdp_shards_add_up_to_the_model(model, sizes, ranks):
-    P, _, root = sizes
+    P, _, _ = sizes
     fsdp = cost("FSDP", model, ranks)
     assert fsdp["param_bytes"].sum() == P and (fsdp["state_bytes"] == 3 * fsdp["param_bytes"]).all()
-    assert (fsdp["sent_bytes"] == (ranks - 1) / ranks * (3 * P - root)).all()
+
+
+def test_fsdp_sends_its_weights_twice_and_its_gradients_once(model, sizes):
+    P, _, root = sizes
+    assert (cost("FSDP", model, 2)["sent_bytes"] == 1 / 2 * (3 * P - root)).all()   # every row count even
+    # Over 4 ranks the head's 10 rows travel padded to 12 (FSDP's collectives send equal shards):
+    # 2 rows of its weight (8 values) and 2 of its bias, 72 bytes more in each collective that
+    # carries the root's parameters (the forward all-gather and the reduce-scatter).
+    assert (cost("FSDP", model, 4)["sent_bytes"] == 3 / 4 * (3 * P - root + 2 * 72)).all()
 
 
 def test_fsdp_cuts_rows_as_torch_chunk_does(model):
