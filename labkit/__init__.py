@@ -114,7 +114,7 @@ _LAZY = {
     "held_shards": "labkit._strategies",
     "last_step": "labkit._strategies",
     "measured_cost": "labkit._strategies",
-    "expected_cost": "labkit._strategies",
+    "expected_cost": "labkit._costs",
     "collectives_per_step": "labkit._strategies",
     # lesson 12: pipeline schedules
     "schedule_order": "labkit._pipeline",
