@@ -78,7 +78,7 @@ test-browser: $(STAMP)
 	  else echo "no chromium, and not root to install it: the browser tests will skip (apt-get install chromium)"; fi
 	LABKIT_SMOKE=1 $(PY) -m pytest --browser tests/test_browser.py
 
-# Lesson 08's Slurm part on a real cluster of one machine: munged, slurmctld and two slurmd
+# Lesson 09's Slurm part on a real cluster of one machine: munged, slurmctld and two slurmd
 # (nodes n1 and n2, ports 17000-17002), config in a temporary folder. As root it installs the
 # Debian packages first if they are missing (slurmctld slurmd slurm-client munge); elsewhere it
 # says why it skips. Every daemon it started is stopped, by pid, whatever happens.

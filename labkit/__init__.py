@@ -12,11 +12,13 @@ Notebook side (see each name's docstring)::
     labkit.plot_timeline(trace[trace["step"] == 5])                 # lesson 07
     DEVICE = labkit.lesson_device()            # "auto" on 2+ GPUs, else CPU ranks
     labkit.compare_losses(run, reference, epoch_tol=0.05).check()   # trained alike?
-    labkit.launch("scripts/08_project/train.py", nproc=1, nnodes=2)   # two nodes, one machine
-    labkit.sbatch("scripts/08_job.sbatch", nodes=2)                    # where Slurm answers
+    labkit.launch("scripts/09_project/train.py", nproc=1, nnodes=2)   # two nodes, one machine
+    labkit.sbatch("scripts/09_job.sbatch", nodes=2)                    # where Slurm answers
     labkit.launch(script, nproc=2, hang_timeout_s=5, events=[labkit.py_spy_dump()])   # a hang
     labkit.launch(script, nproc=1, nnodes=2, min_nodes=1, max_restarts=3,          # elastic
                   events=[labkit.kill_node(1, at_step=12), labkit.add_node(at_step=24)])
+    labkit.prove_same(tp, reference, label="TP", loss_tol=1e-4, tensor_tol=1e-5)   # lessons 11, 12
+    labkit.schedule_order("1f1b", 0, stages=2, microbatches=8)       # a pipeline stage's order (12)
 
 Exercises (``exercises/``)::
 
@@ -30,7 +32,7 @@ Script side::
     from labkit import syncbn, comm            # torch (lessons 03, 04):
     model = DDP(syncbn.convert_sync_batchnorm(model))   # BatchNorm over all ranks, any backend
     counter = comm.count_allreduces(model)              # DDP's gradient all-reduces, counted
-    with comm.count_collectives() as seen: ...          # every collective, in bytes (lesson 10)
+    with comm.count_collectives() as seen: ...          # every collective, in bytes (lesson 11)
     from labkit import checkpoint, memory      # torch (lessons 05, 06): atomic saves, bytes
 
 Names load lazily, so a rank that only imports ``labkit.metrics`` does not pay
@@ -53,10 +55,10 @@ _LAZY = {
     "lesson_device": "labkit._launch.plan",
     "sweep": "labkit._launch.sweep",
     "Sweep": "labkit._launch.sweep",
-    "sbatch": "labkit._launch.sbatch",            # lesson 08: Slurm
+    "sbatch": "labkit._launch.sbatch",            # lesson 09: Slurm
     "slurm_status": "labkit._launch.sbatch",
     "SlurmStatus": "labkit._launch.sbatch",
-    "kill_node": "labkit._launch.elastic",        # lesson 09: elastic training
+    "kill_node": "labkit._launch.elastic",        # lesson 10: elastic training
     "add_node": "labkit._launch.elastic",
     # reading results (labkit/_results/)
     "Run": "labkit._results.run",
@@ -81,12 +83,16 @@ _LAZY = {
     "read_trace": "labkit._diagnose.trace",
     "overlap_ms": "labkit._diagnose.trace",
     "plot_timeline": "labkit._diagnose.trace",
-    "py_spy_dump": "labkit._diagnose.hang",       # lesson 09: hangs
+    "py_spy_dump": "labkit._diagnose.hang",       # lesson 10: hangs
     "dump_stack": "labkit._diagnose.hang",
     "flight_records": "labkit._diagnose.flight",
     # the machine
     "gpu_count": "labkit._hardware",
     "datasheet_tflops": "labkit._hardware",
+    # lesson 07: one DDP step taken apart
+    "step_events": "labkit._diagnose.profile",
+    "allreduce_bytes": "labkit._diagnose.profile",
+    "powersgd_numbers": "labkit._diagnose.profile",
     "is_smoke": "labkit._hardware",
     # errors
     "LabkitError": "labkit._errors",
@@ -98,6 +104,30 @@ _LAZY = {
     # the course's exercises (labkit/_course/; every check_<name> is found by its file name)
     "Feedback": "labkit._course.feedback",
     "hint": "labkit._course.hints",
+    # lessons 08, 11, 12: speed, strategies, pipelines (labkit/_results/)
+    "data_wait_per_step": "labkit._results.speed",
+    "first_step_s": "labkit._results.speed",
+    "steady_step_s": "labkit._results.speed",
+    "ddp_rate": "labkit._results.speed",
+    "one_process_rates": "labkit._results.speed",
+    "baseline_name": "labkit._results.speed",
+    "scaling_report": "labkit._results.speed",
+    "prove_same": "labkit._results.strategies",
+    "saved_tensors": "labkit._results.strategies",
+    "tensor_gap": "labkit._results.strategies",
+    "held_shards": "labkit._results.strategies",
+    "last_step": "labkit._results.strategies",
+    "measured_cost": "labkit._results.strategies",
+    "collectives_per_step": "labkit._results.strategies",
+    "expected_cost": "labkit._results.costs",
+    "schedule_order": "labkit._results.pipeline",
+    "most_in_flight": "labkit._results.pipeline",
+    "replay_schedule": "labkit._results.pipeline",
+    "schedule_events": "labkit._results.pipeline",
+    "stage_orders": "labkit._results.pipeline",
+    "early_starts": "labkit._results.pipeline",
+    "measured_bubble": "labkit._results.pipeline",
+    "plot_schedule": "labkit._results.pipeline",
 }
 _SUBMODULES = {"metrics", "data", "models", "checkpoint", "memory", "exercises", "syncbn", "comm"}
 

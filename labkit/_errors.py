@@ -220,12 +220,12 @@ class LaunchTimeout(LaunchError):
         last_steps: {rank: last step it logged, or None}.
         stacks: {rank: where its main thread was when stopped, e.g. ``"scripts/x.py:12 in <module>"``}.
 
-    Example (lesson 09)::
+    Example (lesson 10)::
 
         try:
-            labkit.launch("scripts/09_hang.py", nproc=2, hang_timeout_s=5)
+            labkit.launch("scripts/10_hang.py", nproc=2, hang_timeout_s=5)
         except labkit.LaunchTimeout as err:
-            err.last_steps, err.stacks      # {rank: step}, {rank: "09_hang.py:31 in <module>, ..."}
+            err.last_steps, err.stacks      # {rank: step}, {rank: "10_hang.py:31 in <module>, ..."}
     """
 
     def __init__(self, summary: str, *, last_steps=None, stacks=None, run=None, hint=""):

@@ -173,7 +173,7 @@ def _sysctl_flags() -> set[str] | None:
 
 
 def cpu_bf16(flags: set[str] | None = None) -> list[str]:
-    """What this CPU offers bfloat16, in words (lesson 07 times bf16 autocast on it); [] for
+    """What this CPU offers bfloat16, in words (lesson 08 times bf16 autocast on it); [] for
     nothing found. Without such instructions, bf16 on the CPU is emulated and may be slower
     than float32."""
     flags = cpu_flags() if flags is None else flags
@@ -185,7 +185,7 @@ def cpu_bf16(flags: set[str] | None = None) -> list[str]:
 
 #: Dense peak TFLOP/s (no sparsity) from NVIDIA's datasheets, by the maths a model runs in:
 #: "fp32" on CUDA cores; "tf32", float32 convolutions and matmuls on tensor cores (cuDNN's
-#: default for convolutions); "bf16" under bf16 autocast. Lesson 07 divides by it for MFU.
+#: default for convolutions); "bf16" under bf16 autocast. Lesson 08 divides by it for MFU.
 DATASHEET_TFLOPS = {
     "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0},
     "H100 SXM": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4},
@@ -220,7 +220,7 @@ def datasheet_tflops(gpu_name: str, precision: str = "tf32") -> float | None:
     Raises:
         ValueError: an unknown precision.
 
-    Example (lesson 07)::
+    Example (lesson 08)::
 
         labkit.datasheet_tflops("NVIDIA A100-SXM4-80GB")   # 156.0 (TF32 tensor cores)
     """

@@ -9,7 +9,7 @@ A launch writes everything about itself under ``runs/<timestamp>-<name>/``::
     pids/rank<R>.json                     rank R's pid, so the launcher can stop it (latest attempt)
     errors/rank<R>-restart<N>.json        rank R's uncaught exception in attempt N
     torchrun/<id>/attempt_<N>/<R>/stdout.log   what rank R printed in attempt N (torchrun --log-dir)
-    flight_rank<R>                        rank R's flight-recorder dump, if it wrote one (lesson 09)
+    flight_rank<R>                        rank R's flight-recorder dump, if it wrote one (lesson 10)
 
 With several nodes (``launch(nnodes=N)``) agent k writes ``torchrun-node<k>.log``, its ranks'
 logs go to ``torchrun/node<k>/<id>/attempt_<N>/<local rank>/stdout.log``, and

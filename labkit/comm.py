@@ -16,7 +16,7 @@ assuming, how many all-reduces ``no_sync()`` saves::
 
 Torch only; the counting itself is two additions per bucket, on the host.
 
-Lesson 10 counts every collective of a training step, whatever the strategy (DDP, FSDP,
+Lessons 11 and 12 count every collective of a training step, whatever the strategy (DDP, FSDP,
 tensor parallel, both on a 2-D mesh) and weighs it in bytes::
 
     with comm.count_collectives() as forward:
@@ -140,7 +140,7 @@ _SENT_PER_BYTE = {
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective a rank took part in (lesson 10).
+    """One collective a rank took part in (lessons 11 and 12).
 
     Attributes:
         kind: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``, ``"broadcast"``, ...,
@@ -192,7 +192,7 @@ def _group_size(args) -> int:
 
 class CollectiveCounter(TorchDispatchMode):
     """Counts and weighs every collective issued while it is active; ``count_collectives()``
-    makes one (lesson 10).
+    makes one (lessons 11 and 12).
 
     A *dispatch mode* sees every operation PyTorch runs, as it runs it, whoever calls it: DDP's
     reducer, FSDP's all-gathers and reduce-scatters, the all-reduces a DTensor plan puts in
@@ -256,7 +256,7 @@ def count_collectives() -> CollectiveCounter:
     Returns:
         A ``CollectiveCounter``; read ``calls``, ``bytes`` and ``sent_bytes`` after the block.
 
-    Example (lesson 10)::
+    Example (lessons 11 and 12)::
 
         with comm.count_collectives() as backward:
             loss.backward()

@@ -1,4 +1,4 @@
-"""Elastic launches (lesson 09): nodes killed and added while the job trains, the rounds read back.
+"""Elastic launches (lesson 10): nodes killed and added while the job trains, the rounds read back.
 
 At the door: min_nodes and the node events are checked before anything starts. Real launches:
 node 1 dies, the survivor resumes alone, a new node joins and the job finishes on two; then the

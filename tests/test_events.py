@@ -1,4 +1,4 @@
-"""launch(events=[...], hang_timeout_s=...): what labkit does to a run while it runs (lesson 09).
+"""launch(events=[...], hang_timeout_s=...): what labkit does to a run while it runs (lesson 10).
 
 At the door: events are checked before anything starts. Progress: how far a run has got,
 read from its folder. Real launches: a hang is stopped after seconds of silence with every

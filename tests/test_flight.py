@@ -1,4 +1,4 @@
-"""labkit.flight_records: every rank's flight-recorder dump in one table (lesson 09)."""
+"""labkit.flight_records: every rank's flight-recorder dump in one table (lesson 10)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import labkit
 from labkit import _rundir
 
 
-def _entry(seq, op, line, script="/work/scripts/09_hang.py"):
+def _entry(seq, op, line, script="/work/scripts/10_hang.py"):
     return {"collective_seq_id": seq, "p2p_seq_id": 0, "is_p2p": False,
             "profiling_name": f"gloo:{op}", "process_group": ("0", "default_pg"),
             "input_sizes": [[4]] if op == "all_reduce" else [],
@@ -34,7 +34,7 @@ def test_the_dumps_of_every_rank_in_one_table(tmp_path):
     assert list(fr.columns) == ["rank", "seq", "op", "group", "where", "sizes"]
     calls = fr.pivot(index="seq", columns="rank", values="op")
     assert calls.loc[2].tolist() == ["all_reduce", "barrier"]
-    assert fr.loc[(fr["rank"] == 1) & (fr["seq"] == 2), "where"].item() == "09_hang.py:40"
+    assert fr.loc[(fr["rank"] == 1) & (fr["seq"] == 2), "where"].item() == "10_hang.py:40"
     assert set(fr["group"]) == {"default_pg"}
 
 

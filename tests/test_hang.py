@@ -1,4 +1,4 @@
-"""py-spy, from outside a process (lesson 09): dumps read, parsed and shown briefly."""
+"""py-spy, from outside a process (lesson 10): dumps read, parsed and shown briefly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""labkit._hardware: what the CPU offers bfloat16, and the GPU datasheet peaks lesson 07 divides by."""
+"""labkit._hardware: what the CPU offers bfloat16, and the GPU datasheet peaks lesson 08 divides by."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""labkit.launch(nnodes=N): N torchrun agents on this machine as N nodes (lesson 08).
+"""labkit.launch(nnodes=N): N torchrun agents on this machine as N nodes (lesson 09).
 
 Real launches: ranks and groups land where torchrun says, a failure on either node is named,
 and nothing is left running after an error, a timeout, an interrupt or a killed launcher:

@@ -47,6 +47,10 @@ STORED = NOTEBOOKS + [p for folder in ("exercises", "solutions")   # solutions/:
 def test_stored_clean(path):
     nb = json.loads(path.read_text())
     assert nb["metadata"]["kernelspec"]["name"] == "python3"
+    ids = [cell.get("id") for cell in nb["cells"]]
+    assert len(set(ids)) == len(ids), (
+        f"{path.name} repeats cell ids {sorted({i for i in ids if ids.count(i) > 1})}: Jupyter renames "
+        f"them at random on every load, and the diffs fill with noise")
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
             assert cell.get("outputs") == [] and cell.get("execution_count") is None, (
@@ -103,10 +107,10 @@ def test_writefile_cells_are_short(path):
 
 
 #: The lesson scripts whose runs are compared with each other: across world sizes (02-04),
-#: across a resume (05), DDP against FSDP (06), each knob against plain float32 (07). Lesson 01
-#: trains alone and keeps augmentation.
+#: across a resume (05), DDP against FSDP (06), each hook (07) and each knob (08) against plain
+#: float32. Lesson 01 trains alone and keeps augmentation.
 COMPARED = ["02_ddp.py", "03_syncbn.py", "04_accumulation.py", "05_checkpointing.py", "06_fsdp.py",
-            "07_performance.py"]
+            "07_profiling.py", "08_speed.py"]
 
 
 @pytest.mark.parametrize("script", COMPARED)
@@ -120,6 +124,23 @@ def test_compared_runs_read_unaugmented_data(script):
     augment = {k.arg: k.value for k in calls[0].keywords}.get("augment")
     assert isinstance(augment, ast.Constant) and augment.value is False, (
         f"{script}: get_datasets(..., augment=False), or its runs differ on CIFAR-10")
+
+
+LESSON_MAX_CELLS = 64      # curriculum.md: each lesson is one sitting; one that outgrows it splits
+MARKDOWN_MAX_LINES = 40    # prose comes in short cells, a step or an idea each
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_lesson_is_one_sitting(path):
+    cells = _cells(path)
+    assert len(cells) <= LESSON_MAX_CELLS, (
+        f"{path.name} has {len(cells)} cells, over {LESSON_MAX_CELLS}: split the lesson in two "
+        f"(as 07/08 and 11/12 were), or move helper code into labkit")
+    for index, cell in enumerate(cells):
+        lines = len(_source(cell).rstrip("\n").splitlines())
+        assert cell["cell_type"] != "markdown" or lines <= MARKDOWN_MAX_LINES, (
+            f"{path.name} cell {index} is {lines} lines of markdown, over {MARKDOWN_MAX_LINES}: "
+            f"split it where its topic changes")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

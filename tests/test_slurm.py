@@ -1,4 +1,4 @@
-"""labkit.sbatch and lesson 08's batch script on a real Slurm cluster.
+"""labkit.sbatch and lesson 09's batch script on a real Slurm cluster.
 
 ``make test-slurm`` starts a one-host cluster (two slurmd as nodes n1 and n2) and runs these;
 elsewhere they are skipped with the reason. Every job is checked to leave nothing running.
@@ -38,9 +38,9 @@ def nothing_left(folder: Path, timeout: float = 20.0) -> list[tuple[int, str]]:
 
 @pytest.fixture
 def lesson(workdir):
-    """A copy of lesson 08's scripts in the work folder (the job runs there)."""
-    shutil.copytree(ROOT / "notebooks" / "scripts" / "08_project", workdir / "scripts" / "08_project")
-    shutil.copy(ROOT / "notebooks" / "scripts" / "08_job.sbatch", workdir / "scripts")
+    """A copy of lesson 09's scripts in the work folder (the job runs there)."""
+    shutil.copytree(ROOT / "notebooks" / "scripts" / "09_project", workdir / "scripts" / "09_project")
+    shutil.copy(ROOT / "notebooks" / "scripts" / "09_job.sbatch", workdir / "scripts")
     return workdir
 
 
@@ -49,7 +49,7 @@ def test_the_cluster_has_two_nodes(slurm_cluster):
 
 
 def test_the_lessons_job_runs_one_torchrun_per_node(slurm_cluster, lesson):
-    run = labkit.sbatch("scripts/08_job.sbatch", nodes=2, args=TINY + ["--epochs", "1"],
+    run = labkit.sbatch("scripts/09_job.sbatch", nodes=2, args=TINY + ["--epochs", "1"],
                         timeout_s=300)
     out = run.output()
     assert run.status == "ok" and run.info["slurm"]["state"] == "COMPLETED"
@@ -72,7 +72,7 @@ def test_usr1_requeues_the_job_and_it_resumes_from_its_checkpoint(slurm_cluster,
     args = TINY + ["--epochs", "3", "--ckpt-every", "4", "--out-dir", "out/requeue"]
     result = {}
     worker = threading.Thread(target=lambda: result.update(run=labkit.sbatch(
-        "scripts/08_job.sbatch", nodes=2, args=args, timeout_s=400, quiet=True)))
+        "scripts/09_job.sbatch", nodes=2, args=args, timeout_s=400, quiet=True)))
     worker.start()
     deadline = time.monotonic() + 300
     job = None
@@ -150,12 +150,12 @@ def test_an_interrupt_cancels_the_job(slurm_cluster, write_script, workdir):
 
 
 @pytest.mark.notebook
-def test_lesson_08_submits_its_job(slurm_cluster, tmp_path):
+def test_lesson_09_submits_its_job(slurm_cluster, tmp_path):
     """With a cluster up, the lesson's Slurm cells run instead of saying why they skip."""
     from conftest import copy_folder
 
     copy = copy_folder("notebooks", tmp_path)
-    cells = execute(copy / "08_multinode.ipynb", timeout=600)
+    cells = execute(copy / "09_multinode.ipynb", timeout=600)
     text = "".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code"
                    for o in c.get("outputs", []) if o.get("output_type") == "stream")
     assert "submitted job" in text and "skipped: Slurm" not in text

@@ -30,14 +30,14 @@ def test_a_faulthandler_dump_in_the_scripts_own_code(tmp_path, monkeypatch):
 
 
 PY_SPY_DUMP = """\
-Process 4242: /venv/bin/python -u -m labkit._rank.entry scripts/09_hang.py --steps 5
+Process 4242: /venv/bin/python -u -m labkit._rank.entry scripts/10_hang.py --steps 5
 Python v3.11.7 (/usr/bin/python3.11)
 
 Thread 4242 (idle): "MainThread"
     all_reduce (torch/distributed/distributed_c10d.py:3913)
     _exception_logger.<locals>.wrapper (torch/distributed/c10d_logger.py:83)
-    train_step (09_hang.py:29)
-    <module> (09_hang.py:39)
+    train_step (10_hang.py:29)
+    <module> (10_hang.py:39)
     _run_code (<frozen runpy>:88)
     main (labkit/_entry.py:211)
 Thread 4250 (idle): "labkit-watch"
@@ -47,21 +47,21 @@ Thread 4250 (idle): "labkit-watch"
 
 
 def test_where_a_rank_waits_is_read_from_a_py_spy_dump():
-    assert where(PY_SPY_DUMP, "scripts/09_hang.py", PY_SPY) == (
-        "scripts/09_hang.py:29 in train_step, inside all_reduce (distributed_c10d.py)")
+    assert where(PY_SPY_DUMP, "scripts/10_hang.py", PY_SPY) == (
+        "scripts/10_hang.py:29 in train_step, inside all_reduce (distributed_c10d.py)")
     assert where(PY_SPY_DUMP, "scripts/other.py", PY_SPY) is None
 
 
 def test_a_py_spy_dump_is_shown_down_to_the_scripts_outermost_frame():
-    shown = excerpt(PY_SPY_DUMP.splitlines(), "scripts/09_hang.py", PY_SPY)
-    assert shown[0].startswith("Process 4242") and shown[-1].strip() == "<module> (09_hang.py:39)"
+    shown = excerpt(PY_SPY_DUMP.splitlines(), "scripts/10_hang.py", PY_SPY)
+    assert shown[0].startswith("Process 4242") and shown[-1].strip() == "<module> (10_hang.py:39)"
     assert not any("labkit-watch" in line or "runpy" in line for line in shown)
 
 
 TRACEBACK = """Traceback (most recent call last):
-  File "scripts/09_hang.py", line 40, in <module>
+  File "scripts/10_hang.py", line 40, in <module>
     train_step(batch)
-  File "scripts/09_hang.py", line 29, in train_step
+  File "scripts/10_hang.py", line 29, in train_step
     dist.all_reduce(grad)
   File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83, in wrapper
     return func(*args, **kwargs)
@@ -72,7 +72,7 @@ RuntimeError: Connection closed by peer
 
 
 def test_a_traceback_says_where_the_script_waited_in_the_same_form():
-    assert waiting_place(TRACEBACK) == "scripts/09_hang.py:29 in train_step, inside all_reduce"
+    assert waiting_place(TRACEBACK) == "scripts/10_hang.py:29 in train_step, inside all_reduce"
     own = TRACEBACK.split("  File \"/venv")[0] + "ValueError: x\n"
     assert waiting_place(own) == "", "a traceback that ends in the script's own code waits in nothing"
     assert waiting_place("") == ""

@@ -1,6 +1,6 @@
 """A real Slurm cluster on one machine: munged, slurmctld and two slurmd pretending to be two nodes.
 
-``make test-slurm`` runs the Slurm tests and lesson 08 against it; anyone can do the same::
+``make test-slurm`` runs the Slurm tests and lesson 09 against it; anyone can do the same::
 
     python tools/slurm_cluster.py run -- python -m pytest tests/test_slurm.py
 

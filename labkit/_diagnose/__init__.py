@@ -3,9 +3,11 @@
 Owns:
     stacks   every "where is a rank" format (faulthandler, py-spy, tracebacks), parsed once,
              said in one form; the excerpt of a dump a cell shows
-    hang     ``dump_stack``, ``py_spy_dump``: a hung rank's stack read from outside (lesson 09)
-    flight   ``flight_records``: every rank's flight-recorder dump in one table (lesson 09)
+    hang     ``dump_stack``, ``py_spy_dump``: a hung rank's stack read from outside (lesson 10)
+    flight   ``flight_records``: every rank's flight-recorder dump in one table (lesson 10)
     trace    ``read_trace``, ``overlap_ms``, ``plot_timeline``: a torch.profiler trace (lesson 07)
+    profile  ``step_events``, ``allreduce_bytes``, ``powersgd_numbers``: one DDP step taken apart
+             from its trace (lesson 07)
     doctor   ``doctor``: the seat check (lesson 00, ``make doctor``)
 
 Imported by the kernel: the public names above, and the launcher (``stacks``, on a timeout).

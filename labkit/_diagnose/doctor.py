@@ -165,7 +165,7 @@ def cpu_bf16_check(flags: set[str] | None, capability: str | None) -> Check:
         no_amx = "; no AMX" if x86 and "amx_bf16" not in flags else ""
         return Check("CPU bf16", f"{', '.join(found)}{no_amx}{used}", "info")
     return Check("CPU bf16", f"no bf16 {'or AMX ' if x86 else ''}instructions found{used}", "info",
-                 "bf16 autocast on this CPU is emulated and may be slower than float32 (lesson 07 "
+                 "bf16 autocast on this CPU is emulated and may be slower than float32 (lesson 08 "
                  "measures it)")
 
 

@@ -1,4 +1,4 @@
-"""The flight recorder, read back: which collective each rank called, in order (lesson 09).
+"""The flight recorder, read back: which collective each rank called, in order (lesson 10).
 
 PyTorch keeps the last ``TORCH_FR_BUFFER_SIZE`` collectives of every process group in a ring
 buffer, with their sequence number, op, sizes and the Python stack that called them. NCCL
@@ -44,7 +44,7 @@ def read_dump(path: str | os.PathLike) -> dict:
 
 
 def _caller(frames) -> str:
-    """'09_hang.py:31' for the innermost frame outside torch and labkit ('' if none)."""
+    """'10_hang.py:31' for the innermost frame outside torch and labkit ('' if none)."""
     for frame in frames or ():
         filename = str(frame.get("filename", ""))
         if filename and not any(part in filename for part in _TORCH_PARTS):
@@ -63,13 +63,13 @@ def flight_records(run_or_folder):
         a pandas DataFrame, one row per rank and collective: ``rank``, ``seq`` (the
         collective's sequence number in its process group, from 1), ``op`` (e.g.
         ``all_reduce``), ``group`` (the process group's name), ``where`` (the script's line that
-        called it, e.g. ``09_hang.py:31``), ``sizes`` (the input tensors' shapes).
+        called it, e.g. ``10_hang.py:31``), ``sizes`` (the input tensors' shapes).
 
     Raises:
         FileNotFoundError: the run left no dump (was ``TORCH_FR_BUFFER_SIZE`` set, and did the
             script dump it?).
 
-    Example (lesson 09)::
+    Example (lesson 10)::
 
         fr = labkit.flight_records(err.run)
         fr.pivot(index="seq", columns="rank", values="op")

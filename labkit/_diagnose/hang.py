@@ -1,4 +1,4 @@
-"""Reading a hung run from outside: py-spy dumps of every rank while the run hangs (lesson 09).
+"""Reading a hung run from outside: py-spy dumps of every rank while the run hangs (lesson 10).
 
 ``py-spy dump --pid PID`` prints the Python stack of a running process without stopping it
 and without any code in it: what you would type in a second terminal while a job hangs.
@@ -8,11 +8,11 @@ says in the cell, and keeps it::
 
     spy = labkit.py_spy_dump(after_quiet_s=2)
     try:
-        labkit.launch("scripts/09_hang.py", nproc=2, events=[spy], hang_timeout_s=5)
+        labkit.launch("scripts/10_hang.py", nproc=2, events=[spy], hang_timeout_s=5)
     except labkit.LaunchTimeout as err:
         ...
     spy.dumps[0]        # rank 0's stack, as py-spy printed it
-    spy.stacks[0]       # 'scripts/09_hang.py:31 in <module>, inside all_reduce'
+    spy.stacks[0]       # 'scripts/10_hang.py:31 in <module>, inside all_reduce'
 
 py-spy reads another process's memory, which needs ptrace permission: root, a container
 started with ``--cap-add=SYS_PTRACE``, or ``kernel.yama.ptrace_scope`` at 0 (Linux); sudo
@@ -63,7 +63,7 @@ def dump_stack(pid: int, *, native: bool = False, timeout_s: float = 20.0) -> st
         PermissionError: py-spy may not attach to the process (why, and what would allow it).
         RuntimeError: py-spy failed otherwise (its message).
 
-    Example (lesson 09)::
+    Example (lesson 10)::
 
         print(labkit.dump_stack(1234))
     """
@@ -169,9 +169,9 @@ def py_spy_dump(after_quiet_s: float = 2.0, *, native: bool = False) -> PySpyDum
     Returns:
         the event; after the launch, its ``dumps``, ``stacks`` and ``skipped`` say what it found.
 
-    Example (lesson 09)::
+    Example (lesson 10)::
 
         spy = labkit.py_spy_dump(after_quiet_s=2)
-        labkit.launch("scripts/09_hang.py", nproc=2, events=[spy], hang_timeout_s=5)
+        labkit.launch("scripts/10_hang.py", nproc=2, events=[spy], hang_timeout_s=5)
     """
     return PySpyDump(after_quiet_s, native=native)

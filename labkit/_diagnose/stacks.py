@@ -4,14 +4,14 @@ Three formats name the line a rank is at:
 
 - **faulthandler** dumps, which a rank writes when a timeout asks (SIGUSR1, ``labkit._rank.entry``):
   ``Current thread 0x... (most recent call first):`` then ``File "x.py", line 12 in f``;
-- **py-spy** dumps, read from outside (lesson 09, ``labkit._diagnose.hang``):
+- **py-spy** dumps, read from outside (lesson 10, ``labkit._diagnose.hang``):
   ``Thread 4242 (idle): "MainThread"`` then ``    f (x.py:12)``;
 - **tracebacks** a rank recorded when it failed: ``File "x.py", line 12, in f``, outermost first.
 
 Each becomes threads of frames, innermost first, and every answer has one form::
 
-    where(dump, "scripts/09_hang.py", FAULTHANDLER)
-    # 'scripts/09_hang.py:31 in <module>, inside all_reduce (distributed_c10d.py)'
+    where(dump, "scripts/10_hang.py", FAULTHANDLER)
+    # 'scripts/10_hang.py:31 in <module>, inside all_reduce (distributed_c10d.py)'
 
 so that a timeout's stacks, py-spy's and a failure's traceback can be compared.
 ``excerpt`` cuts a dump to the lines worth showing in a cell. Kernel side, standard library:
@@ -112,7 +112,7 @@ def where(dump: str, script: str, fmt: Format) -> str | None:
 
     Example (a timeout's faulthandler dump; a py-spy dump with ``PY_SPY``)::
 
-        where(text, "scripts/09_hang.py", FAULTHANDLER)
+        where(text, "scripts/10_hang.py", FAULTHANDLER)
     """
     _, found = threads(dump.splitlines(), fmt)
     thread = _scripts_thread(found, script, fmt)
@@ -155,7 +155,7 @@ def excerpt(lines: list[str], script: str, fmt: Format, limit: int | None = None
 
     Example::
 
-        excerpt(dump.splitlines(), "scripts/09_hang.py", PY_SPY)
+        excerpt(dump.splitlines(), "scripts/10_hang.py", PY_SPY)
     """
     before, found = threads(lines, fmt)
     before = [line for line in before if line.strip()]

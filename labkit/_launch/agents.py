@@ -1,4 +1,4 @@
-"""Several torchrun agents on this machine, one per "node" (lesson 08's two nodes on one laptop).
+"""Several torchrun agents on this machine, one per "node" (lesson 09's two nodes on one laptop).
 
 A multi-node job is one torchrun agent per node, all meeting at one rendezvous. Here every
 agent runs on this machine and they meet on loopback, so a learner sees exactly what a
@@ -63,7 +63,7 @@ class Agents:
         self.argvs, self.envs, self.logs = argvs, envs, logs
         self.procs: list[subprocess.Popen] = []
         self.failed_at: float | None = None
-        self.killed: set[int] = set()  # nodes killed on purpose (lesson 09's drill): no failure
+        self.killed: set[int] = set()  # nodes killed on purpose (lesson 10's drill): no failure
 
     def _kept(self) -> list[subprocess.Popen]:
         return [p for node, p in enumerate(self.procs) if node not in self.killed]

@@ -1,4 +1,4 @@
-"""Elastic runs: nodes that leave and join while the job trains (lesson 09).
+"""Elastic runs: nodes that leave and join while the job trains (lesson 10).
 
 ``launch(script, nproc=1, nnodes=2, min_nodes=1, max_restarts=3, events=[...])`` starts two
 torchrun agents with ``--nnodes=1:2``: the job runs on two nodes, and carries on with one.
@@ -10,7 +10,7 @@ torchrun agents with ``--nnodes=1:2``: the job runs on two nodes, and carries on
   node) with the same rendezvous: it waits for the next round, the running agents see a node
   waiting, stop their workers and meet it; the world grows back.
 
-What torch 2.14 does (measured on one machine, two CPU ranks; lesson 09 shows each):
+What torch 2.14 does (measured on one machine, two CPU ranks; lesson 10 shows each):
 
 - The survivors' ranks fail in their next collective (the peer is gone); their agent then
   meets the rendezvous again. The dead node is dropped once its heartbeats have been missing
@@ -215,7 +215,7 @@ def kill_node(node: int, *, at_step: int | None = None, world_size: int | None =
         world_size: once rank 0 has logged 5 steps in a world of this many ranks.
             With both, both must hold. Events fire in the order listed, each once.
 
-    Example (lesson 09)::
+    Example (lesson 10)::
 
         labkit.launch(script, nproc=1, nnodes=2, min_nodes=1, max_restarts=3,
                       events=[labkit.kill_node(1, at_step=12), labkit.add_node(world_size=1)])
@@ -235,7 +235,7 @@ def add_node(*, at_step: int | None = None, world_size: int | None = None) -> Ad
         world_size: once rank 0 has logged 5 steps in a world of this many ranks (e.g. 1: the
             survivor has resumed and trained alone for a while).
 
-    Example (lesson 09)::
+    Example (lesson 10)::
 
         labkit.launch(script, nproc=1, nnodes=2, min_nodes=1, max_restarts=3,
                       events=[labkit.kill_node(1, at_step=12), labkit.add_node(world_size=1)])

@@ -1,6 +1,6 @@
 """Things labkit does to a run while it runs, each when the run reaches a given point.
 
-``launch(..., events=[...])`` takes them (lesson 09)::
+``launch(..., events=[...])`` takes them (lesson 10)::
 
     spy = labkit.py_spy_dump(after_quiet_s=2)          # a hang: read every rank's stack
     labkit.launch(script, nproc=2, events=[spy], hang_timeout_s=4)

@@ -45,7 +45,7 @@ def launch(script, *, nproc=None, nnodes=1, args=(), timeout_s=600, max_restarts
         nproc: ranks per node (default: every visible GPU, else 2 CPU ranks; 2 at most in smoke
             mode; shared between the nodes when ``nnodes`` > 1).
         nnodes: torchrun agents, each playing one node of a cluster with ``nproc`` ranks, all on
-            this machine and meeting at one c10d rendezvous on loopback (lesson 08). On GPUs each
+            this machine and meeting at one c10d rendezvous on loopback (lesson 09). On GPUs each
             node gets GPUs of its own.
         args: the script's command-line arguments, a list of strings.
         timeout_s: seconds before the run is stopped (None: no limit; NaN and infinity are refused).
@@ -58,12 +58,12 @@ def launch(script, *, nproc=None, nnodes=1, args=(), timeout_s=600, max_restarts
         runs_dir: where run folders go.
         quiet: do not print rank output or draw the live chart (sweeps use it).
         min_nodes: the fewest nodes an elastic job runs on (torchrun's ``--nnodes=MIN:MAX``
-            with MAX = ``nnodes``): nodes may then leave and join while it trains (lesson 09).
+            with MAX = ``nnodes``): nodes may then leave and join while it trains (lesson 10).
         hang_timeout_s: seconds in which no rank printed a line or logged metrics, once one had,
             after which the run is taken as hung and stopped like a timeout (None: never).
             Unlike ``timeout_s`` it does not count start-up, so it can be short.
         events: things to do while the run runs, each when it reaches a given point:
-            ``labkit.kill_node``, ``labkit.add_node``, ``labkit.py_spy_dump`` (lesson 09).
+            ``labkit.kill_node``, ``labkit.add_node``, ``labkit.py_spy_dump`` (lesson 10).
 
     Returns:
         the finished Run.
@@ -78,7 +78,7 @@ def launch(script, *, nproc=None, nnodes=1, args=(), timeout_s=600, max_restarts
         KeyboardInterrupt: you interrupted it; every rank has been stopped, and one line said
             how many and where the run folder is.
 
-    Example (lesson 02; lesson 08 adds ``nnodes=2``, lesson 09 ``min_nodes`` and ``events``)::
+    Example (lesson 02; lesson 09 adds ``nnodes=2``, lesson 10 ``min_nodes`` and ``events``)::
 
         run = labkit.launch("scripts/02_ddp.py", nproc=2, args=["--epochs", "2"])
     """

@@ -1,4 +1,4 @@
-"""Slurm from a notebook (lesson 08): is a cluster answering, and submit a batch script to it.
+"""Slurm from a notebook (lesson 09): is a cluster answering, and submit a batch script to it.
 
 ``labkit.sbatch`` is ``sbatch`` plus what a notebook needs: the job's output streams into the
 cell, a timeout or the interrupt button cancels the job (``scancel``), and the ranks log their
@@ -40,7 +40,7 @@ _GET_ONE = "`make test-slurm` runs them on a one-host cluster"
 class SlurmStatus:
     """Whether a Slurm cluster answers here. ``reason`` says why not, or what answered.
 
-    Example (lesson 08)::
+    Example (lesson 09)::
 
         status = labkit.slurm_status()
         print(status.reason if not status else status.nodes)
@@ -64,7 +64,7 @@ def slurm_status(*, timeout_s: float = 10.0) -> SlurmStatus:
     Returns:
         a SlurmStatus: true when a cluster answers; ``reason`` says why not, or what answered.
 
-    Example (lesson 08)::
+    Example (lesson 09)::
 
         slurm = labkit.slurm_status()
         if not slurm:
@@ -135,9 +135,9 @@ def sbatch(script, *, nodes: int = 2, args=(), timeout_s=600, name=None, env=Non
         LaunchError: the job failed; LaunchTimeout: it passed ``timeout_s`` and was cancelled.
         KeyboardInterrupt: you interrupted it; the job has been cancelled.
 
-    Example (lesson 08)::
+    Example (lesson 09)::
 
-        run = labkit.sbatch("scripts/08_job.sbatch", nodes=2, timeout_s=600)
+        run = labkit.sbatch("scripts/09_job.sbatch", nodes=2, timeout_s=600)
     """
     path = Path(os.fspath(script))
     if not path.is_file():

@@ -125,7 +125,7 @@ def sweep(script, *, nproc, repeats=3, args=(), device="auto", threads_per_rank=
     machine spreads over every point. On CPU, threads per rank stay fixed across
     nproc (default: cores // max(nproc)), so adding a rank adds cores, the way
     adding a GPU adds a device. With ``nnodes`` > 1 every run has that many nodes (torchrun
-    agents on this machine, lesson 08) and ``nproc`` are the ranks per node.
+    agents on this machine, lesson 09) and ``nproc`` are the ranks per node.
 
     Args:
         script: the script, relative to the notebook's folder.

@@ -5,9 +5,16 @@ Owns:
     compare   ``loss_by_step``, ``loss_by_epoch``, ``compare_losses``: did two runs train alike?
     plots     ``plot_loss``, ``plot_metric``, ``plot_speedup``, ``plot_throughput``
     elastic   ``elastic_rounds``, ``elastic_losses``, ``plot_elastic``: an elastic run, round by
-              round (lesson 09)
+              round (lesson 10)
     diff      ``diff``, ``write_variant``: a lesson's change, and its pitfall as edits
     tryload   ``try_load``: a saved state dict opened as its user will
+    speed     ``data_wait_per_step``, ``scaling_report``, ...: waits, step 1, strong and weak
+              scaling against both baselines (lesson 08)
+    strategies ``prove_same``, ``measured_cost``, ``held_shards``, ...: a strategy's run proved
+              against one process; what each rank held and sent (lessons 11, 12)
+    costs     ``expected_cost``: what each strategy should hold and send, from the model's shapes
+    pipeline  ``schedule_order``, ``replay_schedule``, ``plot_schedule``, ...: pipeline schedules
+              written out, replayed and read back from a run (lesson 12)
 
 Imported by the kernel (the notebooks, the checks, the launcher's ``Run``). Reading a run
 never imports torch (``tests/test_rundir.py``); ``tryload`` does, when it is used.

@@ -1,4 +1,4 @@
-"""An elastic run read back round by round: who trained, from where, and the loss (lesson 09).
+"""An elastic run read back round by round: who trained, from where, and the loss (lesson 10).
 
 A round is one stretch of training with one set of ranks: the job's first start, then every
 restart after a node left or joined (``labkit._launch.elastic`` makes them happen). Kernel
@@ -23,7 +23,7 @@ def _assign_rounds(df):
 
 
 def elastic_losses(run):
-    """The loss of every step of an elastic run, round by round (lesson 09).
+    """The loss of every step of an elastic run, round by round (lesson 10).
 
     A round is one stretch of training with one set of ranks: the job's first start, then
     every restart after a node left or joined. Steps done again after a restart appear once
@@ -32,13 +32,13 @@ def elastic_losses(run):
 
     Args:
         run: a ``Run`` whose script logs ``loss`` every step (and ``resumed_from`` when it
-            resumes, as lesson 09's does).
+            resumes, as lesson 10's does).
 
     Returns:
         a DataFrame with ``round``, ``step``, ``world_size``, ``time_s`` (seconds since the
         launch) and ``loss`` (the mean over the ranks of that round).
 
-    Example (lesson 09)::
+    Example (lesson 10)::
 
         losses = labkit.elastic_losses(run)
         losses.groupby("round")["loss"].last()
@@ -59,7 +59,7 @@ def elastic_losses(run):
 
 
 def elastic_rounds(run):
-    """One row per round of an elastic run: who trained, from where, to where (lesson 09).
+    """One row per round of an elastic run: who trained, from where, to where (lesson 10).
 
     Returns:
         a DataFrame with ``round``, ``world_size``, ``start_s`` and ``end_s`` (seconds since the
@@ -67,7 +67,7 @@ def elastic_rounds(run):
         ``first_step``, ``last_step`` (the steps it logged a loss for), ``steps`` (how many) and
         ``last_checkpoint`` (the last step it saved a checkpoint at, None if it saved none).
 
-    Example (lesson 09)::
+    Example (lesson 10)::
 
         rounds = labkit.elastic_rounds(run)
         rounds[["round", "world_size", "resumed_from", "first_step"]]
@@ -99,7 +99,7 @@ def elastic_rounds(run):
 
 
 def plot_elastic(run, *, axes=None, title: str | None = None):
-    """World size and loss over time, with the moments nodes left and joined (lesson 09).
+    """World size and loss over time, with the moments nodes left and joined (lesson 10).
 
     Args:
         run: an elastic ``Run`` (its ``info["events"]`` marks the kills and joins).
@@ -109,7 +109,7 @@ def plot_elastic(run, *, axes=None, title: str | None = None):
     Returns:
         the two Axes.
 
-    Example (lesson 09)::
+    Example (lesson 10)::
 
         labkit.plot_elastic(run)
     """
