@@ -24,6 +24,10 @@ tensor parallel, both on a 2-D mesh) and weighs it in bytes::
     forward.calls              # {"all_reduce": 4}: one per tensor-parallel block
     forward.bytes              # {"all_reduce": 65536}: the full buffer of each, added up
     forward.sent_bytes         # what each rank sends, by the ring algorithms' arithmetic
+
+Lesson 14 counts the all-to-alls of a mixture of experts, whose parts differ in size from rank
+to rank: for an all-to-all, ``sent_bytes`` is exact, read from its split sizes (what goes to the
+other ranks; the part a rank sends itself never leaves it).
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations
@@ -148,17 +152,23 @@ class Collective:
         bytes: the size of its full buffer: the tensor all-reduced, an all-gather's output,
             a reduce-scatter's input (the size nccl-tests calls the message size).
         group_size: the ranks in its group (a tensor-parallel group, FSDP's, everyone).
+        sent: for an all-to-all, the bytes of its input that go to the other ranks (lesson 14:
+            a mixture of experts sends each rank a different number of rows); None otherwise.
     """
 
     kind: str
     bytes: int
     group_size: int
+    sent: float | None = None
 
     @property
     def sent_bytes(self) -> float:
         """Bytes this rank sends for it with ring algorithms: 2(n-1)/n of the buffer for an
         all-reduce, (n-1)/n for an all-gather or a reduce-scatter; 0 in a group of one; all
-        of it for a send."""
+        of it for a send. For an all-to-all, exactly what goes to the other ranks (``sent``,
+        read from its split sizes), where it was known."""
+        if self.sent is not None:
+            return self.sent
         return self.bytes * _SENT_PER_BYTE[self.kind](self.group_size)
 
 
@@ -171,23 +181,54 @@ def _tensors_bytes(value) -> int:
     return 0
 
 
-def _group_size(args) -> int:
-    """The size of the group a collective runs on, from its arguments: a c10d op carries the
-    ProcessGroup itself, a functional collective its group's name."""
+def _group(args):
+    """The ProcessGroup a collective runs on, from its arguments: a c10d op carries the group
+    itself, a functional collective its group's name. None when neither is there."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     for value in args:
         if isinstance(value, torch.ScriptObject):
             try:
-                return dist.ProcessGroup.unbox(value).size()
+                return dist.ProcessGroup.unbox(value)
             except RuntimeError:   # another script object (a ReduceOp, options)
                 continue
         if isinstance(value, str):
             try:
-                return _resolve_process_group(value).size()
+                return _resolve_process_group(value)
             except (KeyError, ValueError, RuntimeError):   # "sum", "avg": not a group name
                 continue
+    return None
+
+
+def _group_size(args) -> int:
+    """The size of the group a collective runs on (every rank when its group is not named)."""
+    group = _group(args)
+    if group is not None:
+        return group.size()
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _all_to_all_sent(name: str, args: tuple) -> float | None:
+    """Bytes an all-to-all sends to the other ranks: its input, less this rank's own part, read
+    from the split sizes (equal parts when none are given). None when the arguments are not
+    an all-to-all's that this knows."""
+    group = _group(args)
+    if group is None:
+        return None
+    me, size = group.rank(), group.size()
+    if name == "alltoall_":   # lists of tensors: the one at this rank's index stays here
+        return float(sum(_tensors_bytes(t) for i, t in enumerate(args[1]) if i != me))
+    if name == "alltoall_base_":   # output, input, group, output_split_sizes, input_split_sizes
+        rows, splits = args[1], args[4]
+    elif name == "all_to_all_single":   # functional: input, output_split_sizes, input_split_sizes
+        rows, splits = args[0], args[2]
+    else:
+        return None
+    total = _tensors_bytes(rows)
+    if rows.dim() == 0 or rows.shape[0] == 0:
+        return 0.0
+    own = list(splits)[me] if len(splits) else rows.shape[0] // size
+    return float(total - own * total // rows.shape[0])
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -226,7 +267,8 @@ class CollectiveCounter(TorchDispatchMode):
         if kind and "c10d" in str(packet):
             values = [*args, *kwargs.values()]
             full = max([_tensors_bytes(v) for v in values] + [_tensors_bytes(out)])
-            self.collectives.append(Collective(kind, full, _group_size(values)))
+            sent = _all_to_all_sent(packet.__name__, args) if kind == "all_to_all" else None
+            self.collectives.append(Collective(kind, full, _group_size(values), sent))
         return out
 
     @property

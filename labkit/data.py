@@ -13,6 +13,12 @@ Example (a lesson script)::
     from labkit.data import get_datasets
     data = get_datasets("data", synthetic=args.smoke)
     print(data.description)
+
+Lesson 14's language model reads token sequences instead: ``synthetic_tokens`` draws them from
+a seed, as many and as long as asked, with structure at every distance a model can learn::
+
+    from labkit.data import synthetic_tokens
+    tokens = synthetic_tokens(8, 129, vocab=64, seed=step)   # inputs tokens[:, :-1], targets tokens[:, 1:]
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from torch.utils.data import Dataset, Subset
 
 from labkit import _rundir
 
-__all__ = ["DataSets", "SyntheticCIFAR", "get_datasets", "CIFAR_MEAN", "CIFAR_STD"]
+__all__ = ["DataSets", "SyntheticCIFAR", "get_datasets", "synthetic_tokens", "CIFAR_MEAN", "CIFAR_STD"]
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -213,3 +219,56 @@ def _noted(sets: DataSets) -> DataSets:
         except OSError:  # the run folder is the launcher's; never fail training over a note
             pass
     return sets
+
+
+#: How likely each of a token's successors is in ``synthetic_tokens``' grammar.
+SUCCESSOR_PROBABILITIES = (0.55, 0.25, 0.15, 0.05)
+
+
+def synthetic_tokens(batch_size: int, length: int, *, vocab: int = 64, seed: int = 0,
+                     grammar_seed: int = 0) -> torch.Tensor:
+    """Token sequences a small language model can learn, drawn from a seed (lesson 14).
+
+    Each sequence starts as a walk through a fixed random grammar: every token has four
+    possible successors, with probabilities ``SUCCESSOR_PROBABILITIES``, so the next token is
+    partly predictable from the last one. Its second half then repeats its first half, token
+    for token, so a model that looks back half a sequence can predict that half exactly: the
+    loss falls fast at first (the grammar), and further with attention over long distances.
+    The same ``seed`` gives the same tokens on every rank and in every run; ``grammar_seed``
+    fixes the grammar, the same for every seed by default.
+
+    Args:
+        batch_size: sequences.
+        length: tokens per sequence (a language model's inputs are ``tokens[:, :-1]`` and its
+            targets ``tokens[:, 1:]``, so draw one more than the model reads).
+        vocab: tokens are 0 to ``vocab`` − 1.
+        seed: which sequences.
+        grammar_seed: which grammar.
+
+    Returns:
+        an int64 tensor (batch_size, length).
+
+    Raises:
+        ValueError: ``batch_size`` or ``length`` below 1, or ``vocab`` below 4.
+
+    Example (lesson 14)::
+
+        tokens = synthetic_tokens(8, 193, vocab=64, seed=1000 * args.seed + step)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    """
+    if batch_size < 1 or length < 1 or vocab < len(SUCCESSOR_PROBABILITIES):
+        raise ValueError(f"synthetic_tokens needs batch_size >= 1, length >= 1 and vocab >= "
+                         f"{len(SUCCESSOR_PROBABILITIES)}, got batch_size={batch_size}, length={length}, "
+                         f"vocab={vocab}. HINT: synthetic_tokens(8, 129, vocab=64, seed=0).")
+    successors = torch.randint(vocab, (vocab, len(SUCCESSOR_PROBABILITIES)),
+                               generator=torch.Generator().manual_seed(grammar_seed))
+    gen = torch.Generator().manual_seed(seed)
+    half = (length + 1) // 2
+    choices = torch.multinomial(torch.tensor(SUCCESSOR_PROBABILITIES), batch_size * half,
+                                replacement=True, generator=gen).view(batch_size, half)
+    tokens = torch.empty(batch_size, length, dtype=torch.int64)
+    tokens[:, 0] = torch.randint(vocab, (batch_size,), generator=gen)
+    for i in range(1, half):  # the walk: each token one of the last one's successors
+        tokens[:, i] = successors[tokens[:, i - 1], choices[:, i]]
+    tokens[:, half:] = tokens[:, :length - half]  # the second half repeats the first
+    return tokens

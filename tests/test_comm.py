@@ -238,3 +238,49 @@ def test_count_collectives_counts_a_send_on_the_sending_rank_only():
     assert sender["calls"] == {"send": 1} and sender["bytes"] == {"send": 40} and sender["sent"] == 40
     assert receiver["calls"] == {} and receiver["sent"] == 0
     assert torch.equal(receiver["got"], torch.arange(10, dtype=torch.float32))
+
+
+# -- all-to-all with parts of different sizes, and a ring of sends (lesson 14) ---------------------
+def _all_to_all_rank(rank: int, world_size: int) -> dict:
+    """Rank r sends r + 1 rows of 2 float32 numbers to every rank (all_to_all_single with split
+    sizes, as a mixture of experts dispatches), then a list all-to-all of one number per rank,
+    then passes a 3-number tensor to the next rank of a ring with batch_isend_irecv."""
+    import torch.distributed as dist
+
+    send = [rank + 1] * world_size
+    receive = [source + 1 for source in range(world_size)]
+    rows = torch.full((sum(send), 2), float(rank))
+    got = torch.empty(sum(receive), 2)
+    singles = [torch.full((1,), float(rank)) for _ in range(world_size)]
+    with comm.count_collectives() as split:
+        dist.all_to_all_single(got, rows, receive, send)
+        dist.all_to_all([torch.empty(1) for _ in range(world_size)], singles)
+    neighbour = torch.empty(3)
+    with comm.count_collectives() as ring:
+        mine = torch.full((3,), float(rank))
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, (rank + 1) % world_size),
+                                           dist.P2POp(dist.irecv, neighbour, (rank - 1) % world_size)])
+        for request in requests:
+            request.wait()
+    return {"split": [(c.kind, c.bytes, c.sent_bytes) for c in split.collectives], "got": got,
+            "ring": ring.calls, "ring_sent": ring.sent_bytes, "neighbour": neighbour}
+
+
+@pytest.mark.launch
+def test_count_collectives_weighs_an_uneven_all_to_all_exactly_and_counts_a_ring_of_sends():
+    world_size = 3
+    for rank, out in enumerate(run_ranks(world_size, _all_to_all_rank)):
+        rows_sent = (world_size - 1) * (rank + 1)   # its own part stays on the rank
+        received = sum(source + 1 for source in range(world_size))
+        assert out["split"] == [("all_to_all", max(3 * (rank + 1), received) * 8, rows_sent * 8),
+                                ("all_to_all", world_size * 4, (world_size - 1) * 4)], (rank, out)
+        assert out["got"][:, 0].tolist() == [float(s) for s in range(world_size) for _ in range(s + 1)]
+        assert out["ring"] == {"send": 1} and out["ring_sent"] == 12, (rank, out)
+        assert out["neighbour"].tolist() == [float((rank - 1) % world_size)] * 3
+
+
+def test_an_all_to_all_without_split_sizes_sends_all_but_its_own_equal_part():
+    from labkit.comm import Collective
+
+    assert Collective("all_to_all", 1200, 4).sent_bytes == 900      # (n-1)/n of equal parts
+    assert Collective("all_to_all", 1200, 4, sent=100.0).sent_bytes == 100   # exact, when known

@@ -105,3 +105,62 @@ def test_under_a_launch_rank_0_notes_the_data_in_the_run_folder(tmp_path, monkey
     note = json.loads((run_dir / "data.json").read_text())
     assert "download=False" in note["description"] and "5 test images" in note["description"]
     assert (note["train_size"], note["test_size"]) == (8, 5), "lesson 01 reads the test-set size here"
+
+
+# -- token sequences for lesson 14's language model ---------------------------------------------
+def test_tokens_are_deterministic_in_range_and_shaped():
+    from labkit.data import synthetic_tokens
+
+    a = synthetic_tokens(4, 33, vocab=16, seed=5)
+    assert a.shape == (4, 33) and a.dtype == torch.int64
+    assert 0 <= int(a.min()) and int(a.max()) < 16
+    assert torch.equal(a, synthetic_tokens(4, 33, vocab=16, seed=5))
+    assert not torch.equal(a, synthetic_tokens(4, 33, vocab=16, seed=6))
+
+
+def test_tokens_follow_the_grammar_and_the_second_half_repeats_the_first():
+    from labkit.data import SUCCESSOR_PROBABILITIES, synthetic_tokens
+
+    def successors(*batches):
+        """{token: the tokens seen right after it} in the first halves (the walks) of ``batches``."""
+        found = {}
+        for tokens in batches:
+            for first, second in zip(tokens[:, :50].flatten().tolist(), tokens[:, 1:51].flatten().tolist()):
+                found.setdefault(first, set()).add(second)
+        return found
+
+    tokens = synthetic_tokens(64, 101, vocab=32, seed=0)
+    assert torch.equal(tokens[:, 51:], tokens[:, :50])   # 101 tokens: a walk of 51, then 50 again
+    most = len(SUCCESSOR_PROBABILITIES)
+    same = successors(tokens, synthetic_tokens(64, 101, vocab=32, seed=1))
+    assert max(len(s) for s in same.values()) <= most        # every seed walks one grammar
+    other = successors(tokens, synthetic_tokens(64, 101, vocab=32, seed=1, grammar_seed=1))
+    assert max(len(s) for s in other.values()) > most        # another grammar: other successors
+
+
+def test_a_small_language_model_learns_the_tokens():
+    """CausalLM's loss falls from ln(vocab), guessing, to below half of it in 60 steps."""
+    import math
+
+    from labkit.data import synthetic_tokens
+    from labkit.models import CausalLM
+
+    torch.manual_seed(0)
+    model = CausalLM(vocab=64, dim=32, depth=1, heads=2, max_len=64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(60):
+        tokens = synthetic_tokens(8, 49, vocab=64, seed=step)
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.5 * math.log(64), loss.item()
+
+
+def test_bad_token_sizes_are_a_clear_error():
+    import pytest
+
+    from labkit.data import synthetic_tokens
+
+    with pytest.raises(ValueError, match=r"length >= 1.*got batch_size=2, length=0.*HINT"):
+        synthetic_tokens(2, 0)
