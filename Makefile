@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make lab    create .venv if needed, install the course, start JupyterLab in the course folder
 #   make test   the same set-up, then every test: unit, real 2-rank launches, notebooks in smoke mode
+#   make test-scale     every lesson and exercise check at 4 CPU ranks, launch tests at 3 (CI runs it too)
 #   make test-browser   the lessons in a real JupyterLab, driven by headless Chromium (CI runs it too)
 # Run again, each skips the set-up that is already done.
 
@@ -29,7 +30,7 @@ LOCK   := requirements.lock
 PIN     = $(if $(wildcard $(LOCK)),-c $(LOCK))
 PIN_TORCH = $(if $(findstring --index-url,$(TORCH)),,$(PIN))
 
-.PHONY: lab test test-fast test-full test-browser test-slurm exercises restore doctor bench clean-runs handout wheelhouse lock
+.PHONY: lab test test-fast test-full test-scale test-browser test-slurm exercises restore doctor bench clean-runs handout wheelhouse lock
 
 # The set-up runs again when what it installs changes: the content of pyproject.toml, the lock or TORCH.
 # The stamp holds their checksum (not a time: a fresh clone next to an existing .venv looks
@@ -59,6 +60,16 @@ test: $(STAMP)
 # Unit tests only (no launches, no notebooks): seconds, for the edit-run loop.
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not launch and not notebook"
+
+# The sizes learners run: every lesson and every exercise's check (the solutions) in smoke mode at
+# LABKIT_RANKS=4 CPU ranks (two nodes of two, a 2 x 2 mesh, four pipeline stages; 1 thread each on
+# 2 cores), then the launch tests whose claim holds at any world size at 3 ranks (an odd size finds
+# what assumes 2). Both parts run; it fails if either did.
+test-scale: $(STAMP)
+	LABKIT_SMOKE=1 $(PY) -m pytest --ranks 4 tests/test_notebooks.py::test_executes_in_smoke_mode \
+		tests/test_exercises.py::test_a_solution_passes_every_check; lessons=$$?; \
+	LABKIT_SMOKE=1 $(PY) -m pytest --ranks 3 -m ranks tests; launches=$$?; \
+	test $$lessons = 0 && test $$launches = 0
 
 # Every lesson in full mode as well, as a learner runs it by default (tens of minutes on a laptop).
 test-full: $(STAMP)

@@ -1,4 +1,12 @@
-"""Shared fixtures: a scratch folder with tiny scripts, and a check that no rank outlives a test."""
+"""Shared fixtures: a scratch folder with tiny scripts, the world size a launch test uses, and a
+check that no rank outlives a test.
+
+``--ranks N`` sets ``LABKIT_RANKS=N`` for the whole session: every lesson and exercise check
+then launches N CPU ranks (``labkit.default_nproc``, the checks' ``_ranks``), nbmake's kernels
+inherit it, and the launch tests whose claim holds at any world size (those that take the
+``ranks`` fixture, marked ``ranks``) run at N. ``make test-scale`` runs the lessons and the
+solutions' checks at 4 and those launch tests at 3 (an odd world size finds divisibility slips).
+"""
 
 from __future__ import annotations
 
@@ -29,7 +37,29 @@ def _slurm_missing() -> str | None:
     return None if status else status.reason  # it says what gives a cluster
 
 
+def pytest_configure(config):
+    """``--ranks N``: LABKIT_RANKS=N for this process and every process it starts."""
+    ranks = config.getoption("--ranks")
+    if ranks is not None:
+        if ranks < 2:  # one rank shows nothing distributed, and the launch tests need a peer
+            raise pytest.UsageError(f"--ranks must be 2 or more, got {ranks}")
+        os.environ["LABKIT_RANKS"] = str(ranks)
+
+
+@pytest.fixture
+def ranks() -> int:
+    """The world size of a launch test whose claim holds at any size: ``LABKIT_RANKS`` (what
+    ``--ranks`` sets), else 2. A test that takes it is marked ``ranks`` (``make test-scale``
+    runs those at 3). A test about exactly 2 ranks keeps its 2, and says why."""
+    from labkit import _hardware
+    return _hardware.cpu_ranks()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: `-m ranks` sees the mark
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "ranks" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ranks)
     skips = {}
     if any("slurm" in item.keywords for item in items):
         reason = _slurm_missing()
@@ -172,6 +202,9 @@ def pytest_addoption(parser):
                           "(tens of minutes on 2 CPU cores): make test-full")
     parser.addoption("--browser", action="store_true",
                      help="run the tests that drive JupyterLab in headless Chromium: make test-browser")
+    parser.addoption("--ranks", type=int, default=None, metavar="N",
+                     help="launch N CPU ranks wherever a lesson, a check or a launch test takes its "
+                          "world size from LABKIT_RANKS (sets it): make test-scale")
 
 
 def pytest_terminal_summary(terminalreporter):

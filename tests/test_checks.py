@@ -41,10 +41,54 @@ def test_feedback_shows_text_html_and_a_machine_readable_part():
     bundle = feedback._repr_mimebundle_()
     assert bundle[MIME] == {"exercise": "00-hello", "status": "failed",
                             "items": [["ok", "every rank holds the sum"],
-                                      ["fail", "rank 2 says it is rank 0 <oops>"]]}
+                                      ["fail", "rank 2 says it is rank 0 <oops>"]],
+                            "notes": [], "world_size": None}
     assert "&lt;oops&gt;" in bundle["text/html"]
     assert "✗ rank 2 says it is rank 0" in bundle["text/plain"]
     assert "labkit.hint('00-hello', 1)" in bundle["text/plain"]
+
+
+def test_a_note_is_shown_but_counts_neither_way():
+    feedback = Feedback("00-hello")
+    feedback.ok("every rank holds the sum")
+    feedback.note("this check runs on 3 ranks <always>")
+    assert feedback.passed and feedback.messages() == ["every rank holds the sum"]
+    bundle = feedback._repr_mimebundle_()
+    assert bundle[MIME]["notes"] == ["this check runs on 3 ranks <always>"]
+    assert "  note: this check runs on 3 ranks <always>" in bundle["text/plain"]
+    assert "note: this check runs on 3 ranks &lt;always&gt;" in bundle["text/html"]
+
+
+def test_a_check_launches_the_ranks_a_lesson_launches(monkeypatch):
+    """_ranks follows LABKIT_RANKS (make test-scale: 4), at least the check's minimum."""
+    from labkit import _hardware
+    from labkit._course.checks._common import _ranks
+
+    monkeypatch.setattr(_hardware, "gpu_count", lambda: 0)
+    monkeypatch.delenv("LABKIT_RANKS", raising=False)
+    assert _ranks(2) == {"nproc": 2, "device": "cpu"} and _ranks(3) == {"nproc": 3, "device": "cpu"}
+    monkeypatch.setenv("LABKIT_RANKS", "4")
+    assert _ranks(2) == {"nproc": 4, "device": "cpu"} and _ranks(5) == {"nproc": 5, "device": "cpu"}
+    monkeypatch.setattr(_hardware, "gpu_count", lambda: 8)
+    monkeypatch.setenv("LABKIT_SMOKE", "1")
+    assert _ranks(2) == {"nproc": 4, "device": "auto"}, "smoke mode: as many GPUs as LABKIT_RANKS"
+    monkeypatch.delenv("LABKIT_SMOKE")
+    assert _ranks(2) == {"nproc": 8, "device": "auto"}
+
+
+def test_a_check_that_holds_at_one_size_says_so_when_asked_for_another(monkeypatch):
+    from labkit import _hardware
+    from labkit._course.checks._common import _only_at
+
+    monkeypatch.setattr(_hardware, "gpu_count", lambda: 0)
+    monkeypatch.delenv("LABKIT_RANKS", raising=False)
+    feedback = Feedback("11-tp-plan")
+    assert _only_at(feedback, 2, "the plan cuts each layer in two") == {"nproc": 2, "device": "cpu"}
+    assert feedback.notes == [], "the default size: nothing to say"
+    monkeypatch.setenv("LABKIT_RANKS", "4")
+    _only_at(feedback, 2, "the plan cuts each layer in two")
+    assert feedback.notes == ["this check runs on 2 ranks, not the 4 that LABKIT_RANKS asks for: the "
+                              "plan cuts each layer in two"]
 
 
 def test_the_hint_line_points_to_the_hint_about_the_first_thing_wrong():
@@ -117,7 +161,8 @@ def test_a_run_that_stopped_says_so_instead_of_counting_checks(workdir, write_sc
 @pytest.mark.launch
 def test_a_run_that_failed_without_an_exception_is_explained_not_summarised(workdir, write_script):
     """A collective only rank 0 calls: gloo aborts rank 0 (SIGABRT). The check names the rank,
-    the signal, its last output and what to look for, not "torchrun exited with code 1"."""
+    the signal, its last output and what to look for, not "torchrun exited with code 1". Exactly
+    two ranks: which rank gloo aborts depends on how its ring pairs them."""
     write_script("mine.py", MISMATCH.replace("SIZE", "1000"))
     feedback, run = attempt("02-ddp", "mine.py", nproc=2, device="cpu", timeout_s=120)
     assert run is None and feedback.stopped and feedback.status == "failed"
@@ -130,7 +175,7 @@ def test_a_run_that_failed_without_an_exception_is_explained_not_summarised(work
 
 
 @pytest.mark.launch
-def test_a_hang_names_where_each_rank_waited(workdir, write_script):
+def test_a_hang_names_where_each_rank_waited(workdir, write_script, ranks):
     write_script("mine.py", """
         import torch, torch.distributed as dist
         dist.init_process_group("gloo")
@@ -138,12 +183,13 @@ def test_a_hang_names_where_each_rank_waited(workdir, write_script):
             dist.all_reduce(torch.ones(1))
         dist.barrier()
     """)
-    feedback, run = attempt("02-ddp", "mine.py", nproc=2, device="cpu", timeout_s=20)
+    feedback, run = attempt("02-ddp", "mine.py", nproc=ranks, device="cpu", timeout_s=20)
     assert run is None and feedback.status == "failed"
     [message] = feedback.messages("fail")
     assert message.startswith("the run did not finish within 20 s: rank 0 at mine.py:4 in <module>, "
                               "inside all_reduce")
-    assert "rank 1 at mine.py:5 in <module>, inside barrier" in message
+    for rank in range(1, ranks):
+        assert f"rank {rank} at mine.py:5 in <module>, inside barrier" in message
     assert "The ranks wait in different places" in message and "`if rank == 0:`" in message
 
 

@@ -7,6 +7,7 @@ to their check cells, which report the unfinished work (a TODO) and nothing brok
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -231,6 +232,13 @@ def test_a_solution_passes_every_check(name, executed):
     assert found, f"solutions/{name} shows no check"
     for feedback in found:
         assert feedback["status"] == "passed", feedback
+    asked = os.environ.get("LABKIT_RANKS")  # --ranks N, make test-scale: the size every check runs at
+    for feedback in found if asked else ():
+        assert feedback["world_size"] == int(asked) or feedback["notes"], (
+            f"solutions/{name}: exercise {feedback['exercise']}'s check ran on {feedback['world_size']} "
+            f"ranks, not the {asked} that LABKIT_RANKS asks for, and did not say why: launch with "
+            f"_ranks(minimum), or, for an exercise that holds at one size only, _only_at(feedback, "
+            f"size, why) (labkit/_course/checks/_common.py)")
 
 
 @pytest.mark.notebook

@@ -1,4 +1,9 @@
-"""labkit.launch: checks at the door, and real 2-rank gloo launches."""
+"""labkit.launch: checks at the door, and real gloo launches.
+
+A launch test whose claim holds at any world size takes the ``ranks`` fixture (2, or
+``--ranks N``; ``make test-scale`` runs them at 3, where an odd size finds what assumes 2). One
+about exactly two ranks keeps its 2 and says why.
+"""
 
 from __future__ import annotations
 
@@ -243,6 +248,7 @@ def test_sweep_with_an_empty_list(workdir, write_script):
 
 
 def test_default_nproc_is_two_cpu_ranks_without_gpus(monkeypatch):
+    monkeypatch.delenv("LABKIT_RANKS", raising=False)  # --ranks sets it for the session
     monkeypatch.setattr(_hardware, "gpu_count", lambda: 0)
     assert labkit.default_nproc() == 2
     monkeypatch.setattr(_hardware, "gpu_count", lambda: 8)
@@ -313,20 +319,20 @@ def git_repo(folder: Path) -> str:
 
 
 @pytest.mark.launch
-def test_two_ranks_succeed_with_metrics_and_prefixed_output(workdir, write_script, capsys):
+def test_every_rank_succeeds_with_metrics_and_prefixed_output(workdir, write_script, capsys, ranks):
     write_script("hello.py", HELLO)
     commit = git_repo(workdir)
     before = time.time()
-    run = labkit.launch("hello.py", nproc=2, args=["--greeting", "hi"], timeout_s=120)
+    run = labkit.launch("hello.py", nproc=ranks, args=["--greeting", "hi"], timeout_s=120)
     after = time.time()
     out = capsys.readouterr().out
     assert run.returncode == 0 and run.status == "ok"
-    assert "[rank0] hello from rank 0, sum 1" in out
-    assert "[rank1] hello from rank 1, sum 1" in out
+    for rank in range(ranks):
+        assert f"[rank{rank}] hello from rank {rank}, sum {sum(range(ranks))}" in out
     assert run.command.split()[1:3] == ["-m", "torch.distributed.run"]
     assert "--rdzv-endpoint=127.0.0.1:0" in run.command and f"$ {run.command}" in out
     df = run.metrics()
-    assert sorted(df["rank"].unique()) == [0, 1] and len(df) == 6
+    assert sorted(df["rank"].unique()) == list(range(ranks)) and len(df) == 3 * ranks
     assert labkit.Run.load(run.run_dir).metrics().equals(df)
     assert all_gone(run.run_dir, timeout=2)
 
@@ -334,7 +340,7 @@ def test_two_ranks_succeed_with_metrics_and_prefixed_output(workdir, write_scrip
     saved = json.loads((run.run_dir / "run.json").read_text())
     assert saved["command"] == run.command and saved["command"].endswith("hello.py --greeting hi")
     assert saved["argv"][0] == sys.executable and saved["args"] == ["--greeting", "hi"]
-    assert saved["script"] == "hello.py" and saved["nproc"] == 2 and saved["device"] == "cpu"
+    assert saved["script"] == "hello.py" and saved["nproc"] == ranks and saved["device"] == "cpu"
     assert saved["returncode"] == 0 and saved["status"] == "ok"
     assert saved["env"]["OMP_NUM_THREADS"] == str(run.info["threads_per_rank"])
     assert saved["versions"] == {"python": platform.python_version(), "torch": torch.__version__,
@@ -354,7 +360,7 @@ def test_run_json_names_torch_with_its_build_without_importing_torch():
 
 
 @pytest.mark.launch
-def test_a_rank_that_raises_is_named_first(workdir, write_script):
+def test_a_rank_that_raises_is_named_first(workdir, write_script, ranks):
     write_script("fail.py", """
         import torch.distributed as dist
         dist.init_process_group("gloo")
@@ -364,7 +370,7 @@ def test_a_rank_that_raises_is_named_first(workdir, write_script):
     """)
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 1 failed \(exit code 1\): ValueError: rank 1 is unhappy") as info:
-        labkit.launch("fail.py", nproc=2, timeout_s=120)
+        labkit.launch("fail.py", nproc=ranks, timeout_s=120)
     assert time.monotonic() - start < 30
     err = info.value
     assert err.failures[0].rank == 1 and not err.failures[0].secondary
@@ -382,6 +388,8 @@ def test_a_rank_that_raises_is_named_first(workdir, write_script):
 
 @pytest.mark.launch
 def test_a_collective_only_rank_0_calls_is_named_as_a_mismatch(workdir, write_script):
+    """Exactly two ranks: which rank gloo aborts on a size mismatch depends on how its ring pairs
+    them, and this test names the one it aborts with two."""
     write_script("mismatch.py", MISMATCH.replace("SIZE", "1000"))
     with pytest.raises(LaunchError, match=r"rank 0 failed \(exit code -6\): killed by SIGABRT") as info:
         labkit.launch("mismatch.py", nproc=2, timeout_s=120)
@@ -395,10 +403,11 @@ def test_a_collective_only_rank_0_calls_is_named_as_a_mismatch(workdir, write_sc
 
 
 @pytest.mark.launch
-def test_a_rank_left_waiting_by_a_peer_that_finished_is_not_called_the_root_cause(workdir, write_script):
+def test_a_rank_left_waiting_by_a_peer_that_finished_is_not_called_the_root_cause(workdir, write_script,
+                                                                                    ranks):
     write_script("mismatch.py", MISMATCH.replace("SIZE", "4"))
     with pytest.raises(LaunchError) as info:
-        labkit.launch("mismatch.py", nproc=2, timeout_s=120)
+        labkit.launch("mismatch.py", nproc=ranks, timeout_s=120)
     err = info.value
     assert [(f.rank, f.secondary) for f in err.failures] == [(0, True)]
     assert "rank 1 done" in err.run.output(1)
@@ -422,7 +431,7 @@ def test_a_bad_script_option_shows_the_scripts_own_message(workdir, write_script
 
 
 @pytest.mark.launch
-def test_a_hang_becomes_a_timeout_that_says_where_each_rank_was(workdir, write_script, capsys):
+def test_a_hang_becomes_a_timeout_that_says_where_each_rank_was(workdir, write_script, capsys, ranks):
     write_script("hang.py", """
         import time, torch, torch.distributed as dist
         from labkit import metrics
@@ -436,12 +445,13 @@ def test_a_hang_becomes_a_timeout_that_says_where_each_rank_was(workdir, write_s
     """)
     start = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:  # 20 s: time for both ranks to start on a busy machine
-        labkit.launch("hang.py", nproc=2, timeout_s=20)
+        labkit.launch("hang.py", nproc=ranks, timeout_s=20)
     assert time.monotonic() - start < 20 + 10
     err = info.value
-    assert err.last_steps == {0: 1, 1: 0}
+    assert err.last_steps == {0: 1, **{rank: 0 for rank in range(1, ranks)}}
     assert err.stacks[0].startswith("hang.py:7 in <module>, inside all_reduce")
-    assert err.stacks[1].startswith("hang.py:9 in <module>")
+    for rank in range(1, ranks):
+        assert err.stacks[rank].startswith("hang.py:9 in <module>")
     assert "rank 0: last logged step 1; was at hang.py:7" in str(err)
     # The cell shows each rank's script thread, not all of its threads; the log keeps the rest.
     out = capsys.readouterr().out
@@ -456,7 +466,8 @@ def test_a_hang_becomes_a_timeout_that_says_where_each_rank_was(workdir, write_s
 def test_a_rank_ended_by_sigterm_keeps_the_metrics_it_logged(workdir, write_script, blocked_in):
     """torchrun ends the healthy ranks with SIGTERM when one fails: their last lines must reach disk.
 
-    The timed flush is switched off, so only the SIGTERM handling can save the line. In
+    Two ranks, one blocked and one sending the signal: the claim is about one rank. The timed
+    flush is switched off, so only the SIGTERM handling can save the line. In
     ``time.sleep`` Python runs the handler; inside a gloo collective the main thread never
     returns to Python, and a watcher thread must do it.
     """
@@ -547,7 +558,7 @@ def test_a_ranks_exit_code_is_kept(workdir, write_script, code):
 
 
 @pytest.mark.launch
-def test_restarts_resume_and_are_stamped(workdir, write_script):
+def test_restarts_resume_and_are_stamped(workdir, write_script, ranks):
     write_script("flaky.py", """
         import os, torch, torch.distributed as dist
         from labkit import metrics
@@ -561,22 +572,22 @@ def test_restarts_resume_and_are_stamped(workdir, write_script):
         metrics.log(restart, total=t.item())
         dist.destroy_process_group()
     """)
-    run = labkit.launch("flaky.py", nproc=2, max_restarts=1, timeout_s=120)
+    run = labkit.launch("flaky.py", nproc=ranks, max_restarts=1, timeout_s=120)
     df = run.metrics()
     assert run.status == "ok"
     assert sorted(df["restart"].unique()) == [0, 1]
-    assert df.loc[df["restart"] == 1, "total"].dropna().tolist() == [3.0, 3.0]
+    assert df.loc[df["restart"] == 1, "total"].dropna().tolist() == [ranks * (ranks + 1) / 2] * ranks
     assert run.info["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
-def test_no_rank_outlives_its_launcher(workdir, write_script, sig):
+def test_no_rank_outlives_its_launcher(workdir, write_script, sig, ranks):
     write_script("sleeper.py", SLEEPER)
-    signal_launcher(workdir, """
+    signal_launcher(workdir, f"""
         import labkit
-        labkit.launch("sleeper.py", nproc=2, timeout_s=300)
-    """, nproc=2, sig=sig)
+        labkit.launch("sleeper.py", nproc={ranks}, timeout_s=300)
+    """, nproc=ranks, sig=sig)
 
 
 def started_run(root: Path, nproc: int, timeout: float = 60) -> Path | None:
@@ -618,19 +629,19 @@ def signal_launcher(workdir: Path, code: str, nproc: int, sig: int = signal.SIGI
 
 @pytest.mark.launch
 def test_an_interrupted_launch_says_what_it_stopped_then_shows_only_the_learners_frames(
-        workdir, write_script):
+        workdir, write_script, ranks):
     """JupyterLab's interrupt button: one plain line first, then IPython's traceback of the
     learner's cell, without labkit's wrapper or poll loop; the cell stops, no rank is left."""
     write_script("sleeper.py", SLEEPER)
-    run_dir, done = signal_launcher(workdir, """
+    run_dir, done = signal_launcher(workdir, f"""
         from IPython.core.interactiveshell import InteractiveShell
         InteractiveShell.instance().run_cell(
-            'import labkit\\nrun = labkit.launch("sleeper.py", nproc=2, timeout_s=300)\\nprint("not " + "reached")')
+            'import labkit\\nrun = labkit.launch("sleeper.py", nproc={ranks}, timeout_s=300)\\nprint("not " + "reached")')
         print("the kernel goes on", flush=True)
-    """, nproc=2)
+    """, nproc=ranks)
     out = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout)
     assert INTERRUPTED.findall(out) == [
-        f"interrupted: 2 ranks stopped, run folder {run_dir.relative_to(workdir)}"], out
+        f"interrupted: {ranks} ranks stopped, run folder {run_dir.relative_to(workdir)}"], out
     after = out[INTERRUPTED.search(out).end():]
     assert not re.search(r"^\[(rank\d+|torchrun)\]", after, re.MULTILINE), (
         "what the ranks print while they stop belongs in their logs, not after the line:\n" + after)
@@ -654,11 +665,11 @@ def test_an_interrupted_sweep_stops_too(workdir, write_script):
 
 
 @pytest.mark.launch
-def test_two_concurrent_launches_both_succeed(workdir, write_script):
+def test_two_concurrent_launches_both_succeed(workdir, write_script, ranks):
     write_script("hello.py", HELLO)
-    code = """
+    code = f"""
         import labkit
-        run = labkit.launch("hello.py", nproc=2, timeout_s=120, quiet=True)
+        run = labkit.launch("hello.py", nproc={ranks}, timeout_s=120, quiet=True)
         print(run.status)
     """
     procs = [python(code, cwd=workdir, stdout=subprocess.PIPE, text=True) for _ in range(2)]
@@ -668,7 +679,7 @@ def test_two_concurrent_launches_both_succeed(workdir, write_script):
 
 
 @pytest.mark.launch
-def test_a_ranks_own_children_die_with_it_when_the_launcher_is_killed(workdir, write_script):
+def test_a_ranks_own_children_die_with_it_when_the_launcher_is_killed(workdir, write_script, ranks):
     """DataLoader workers are children of their rank: a kernel killed outright must take them too."""
     write_script("parent.py", """
         import os, subprocess, time, torch.distributed as dist
@@ -678,15 +689,15 @@ def test_a_ranks_own_children_die_with_it_when_the_launcher_is_killed(workdir, w
             f.write(str(child.pid))
         time.sleep(300)
     """)
-    launcher = python("""
+    launcher = python(f"""
         import labkit
-        labkit.launch("parent.py", nproc=2, timeout_s=300)
+        labkit.launch("parent.py", nproc={ranks}, timeout_s=300)
     """, cwd=workdir)
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all((workdir / f"child{r}.pid").exists() for r in (0, 1)):
+        while time.monotonic() < deadline and not all((workdir / f"child{r}.pid").exists() for r in range(ranks)):
             time.sleep(0.2)
-        children = [int((workdir / f"child{r}.pid").read_text()) for r in (0, 1)]
+        children = [int((workdir / f"child{r}.pid").read_text()) for r in range(ranks)]
         tokens = [_proc.process_token(pid) for pid in children]
         launcher.send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 10

@@ -124,6 +124,35 @@ def test_make_lab_passes_the_cpu_wheels_through(seat):
 def test_make_reads_the_makefile_without_a_warning(seat):
     """Two recipes for one target (a merge can leave both) make GNU make warn and silently run
     only the last: every target the README or CI names must be defined once."""
-    out = subprocess.run([MAKE, "-C", str(seat), "-n", "test", "test-browser", "test-slurm", "lab", "lock"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([MAKE, "-C", str(seat), "-n", "test", "test-scale", "test-browser", "test-slurm",
+                          "lab", "lock"], capture_output=True, text=True, timeout=60)
     assert "warning" not in out.stderr.lower(), out.stderr
+
+
+def test_make_test_scale_runs_the_lessons_and_checks_at_4_ranks_then_the_launch_tests_at_3(seat):
+    set_up(seat)
+    (seat / ".venv" / "commands.log").unlink(missing_ok=True)
+    subprocess.run([MAKE, "-C", str(seat), "test-scale"], check=True, capture_output=True, timeout=60)
+    assert (seat / ".venv" / "commands.log").read_text().splitlines() == [
+        "-m pytest --ranks 4 tests/test_notebooks.py::test_executes_in_smoke_mode "
+        "tests/test_exercises.py::test_a_solution_passes_every_check",
+        "-m pytest --ranks 3 -m ranks tests"]
+
+
+def test_a_failed_first_part_of_test_scale_still_runs_the_second_and_fails(seat):
+    set_up(seat)
+    (seat / ".venv" / "commands.log").unlink(missing_ok=True)
+    python = seat / ".venv" / "bin" / "python"
+    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../commands.log"\n'
+                      'case "$*" in *"--ranks 4"*) exit 1;; esac\n')
+    out = subprocess.run([MAKE, "-C", str(seat), "test-scale"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert len((seat / ".venv" / "commands.log").read_text().splitlines()) == 2
+
+
+def test_ci_runs_every_test_target_the_readme_names():
+    text = (ROOT / ".ci" / "run").read_text()
+    assert "for target in test test-scale test-browser test-slurm; do" in text
+    readme = (ROOT / "README.md").read_text()
+    for target in ("make test-scale", "make test-browser", "make test-slurm"):
+        assert target in readme, f"the README does not say what `{target}` does"

@@ -156,9 +156,10 @@ def test_an_agents_end_of_run_noise_stays_out_of_the_cell(tmp_path):
 
 # -- real launches ---------------------------------------------------------------------------
 @pytest.mark.launch
-def test_two_nodes_of_two_ranks_each(workdir, write_script, capsys, monkeypatch):
-    """The layout torchrun gives, rank by rank; the first port chosen was taken (another program
-    got it first), so the launch starts again on a new one."""
+def test_two_nodes_of_several_ranks_each(workdir, write_script, capsys, monkeypatch, ranks):
+    """The layout torchrun gives, rank by rank, on two nodes of ``ranks`` ranks each (2 x 2; 2 x 3
+    at --ranks 3, where a LOCAL_RANK / RANK mix-up cannot hide); the first port chosen was taken
+    (another program got it first), so the launch starts again on a new one."""
     write_script("layout.py", LAYOUT)
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -167,23 +168,25 @@ def test_two_nodes_of_two_ranks_each(workdir, write_script, capsys, monkeypatch)
     real = _nodes.free_port
     monkeypatch.setattr(_nodes, "free_port", lambda: next(ports, None) or real())
     try:
-        run = labkit.launch("layout.py", nproc=2, nnodes=2, device="cpu", timeout_s=180)
+        run = labkit.launch("layout.py", nproc=ranks, nnodes=2, device="cpu", timeout_s=180)
     finally:
         taken.close()
     out = capsys.readouterr().out
-    assert run.status == "ok" and run.world_size == 4 and run.nnodes == 2
+    world = 2 * ranks
+    assert run.status == "ok" and run.world_size == world and run.nnodes == 2
     assert "note: the rendezvous port was taken meanwhile" in out
     df = run.metrics().set_index("rank")
-    assert list(df.index) == [0, 1, 2, 3]
-    assert (df["world_size"] == 4).all() and (df["local_world_size"] == 2).all()
+    assert list(df.index) == list(range(world))
+    assert (df["world_size"] == world).all() and (df["local_world_size"] == ranks).all()
     # Ranks are numbered node by node: GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK.
-    assert (df.index == df["group_rank"] * 2 + df["local_rank"]).all()
+    assert (df.index == df["group_rank"] * ranks + df["local_rank"]).all()
     assert sorted(df.groupby("node")["group_rank"].nunique()) == [1, 1]  # one group rank per node
-    assert df["pid"].nunique() == 4
+    assert sorted(df.groupby("node").size()) == [ranks, ranks]
+    assert df["pid"].nunique() == world
     for rank, node in df["node"].items():
-        assert f"[node{node}][rank{rank}] rank {rank} of 4, sum 6" in out
+        assert f"[node{node}][rank{rank}] rank {rank} of {world}, sum {sum(range(world))}" in out
         assert run.info["layout"][str(rank)]["node"] == node
-        assert run.output(rank).strip() == f"rank {rank} of 4, sum 6"
+        assert run.output(rank).strip() == f"rank {rank} of {world}, sum {sum(range(world))}"
     # Node 0 hosts the store; both agents are echoed, and none of their noise is printed.
     commands = run.info["commands"]
     assert "--rdzv-conf=is_host=1" in commands[0] and "--rdzv-conf=is_host=0" in commands[1]

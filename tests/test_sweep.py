@@ -6,6 +6,7 @@ import matplotlib
 import pytest
 
 import labkit
+from labkit import _hardware
 
 matplotlib.use("Agg")  # tests draw off-screen; notebooks keep their inline backend
 
@@ -21,16 +22,17 @@ TINY = """
 
 
 @pytest.mark.launch
-def test_sweep_table_speedup_and_reload(workdir, write_script):
+def test_sweep_table_speedup_and_reload(workdir, write_script, ranks):
     write_script("tiny.py", TINY)
-    sweep = labkit.sweep("tiny.py", nproc=[2, 1], repeats=1, timeout_s=120)
+    sweep = labkit.sweep("tiny.py", nproc=[ranks, 1], repeats=1, timeout_s=120)
     table = sweep.table()
-    assert list(table["nproc"]) == [1, 2]
+    assert list(table["nproc"]) == [1, ranks]
     assert table["speedup"].iloc[0] == 1.0 and table["efficiency"].iloc[0] == 1.0
-    # Each rank sleeps 20 ms a step: 2 ranks do twice the samples/s of 1 (sleeping needs no core).
-    assert table["speedup"].iloc[1] == pytest.approx(2.0, rel=0.35)
-    assert sweep.threads_per_rank == 1  # 2 cores // 2 ranks, held for nproc=1 too
-    assert all(run.info["threads_per_rank"] == 1 for run in sweep.runs)
+    # Each rank sleeps 20 ms a step: N ranks do N times the samples/s of 1 (sleeping needs no core).
+    assert table["speedup"].iloc[1] == pytest.approx(ranks, rel=0.35)
+    threads = max(1, _hardware.cpu_count() // ranks)
+    assert sweep.threads_per_rank == threads  # cores // ranks of the largest run, held for nproc=1 too
+    assert all(run.info["threads_per_rank"] == threads for run in sweep.runs)
     assert "held fixed" in sweep.caption
     again = labkit.Sweep.load(sweep.sweep_dir)
     assert again.table().equals(table)
@@ -53,12 +55,12 @@ def test_a_sweep_too_short_to_time_still_returns_its_runs(workdir, write_script,
 
 
 @pytest.mark.launch
-def test_a_failed_run_hands_back_the_runs_before_it(workdir, write_script):
+def test_a_failed_run_hands_back_the_runs_before_it(workdir, write_script, ranks):
     write_script("flaky.py", TINY.replace('dist.init_process_group("gloo")',
                                           'dist.init_process_group("gloo")\n'
-                                          '    if dist.get_world_size() == 2: raise RuntimeError("boom")'))
+                                          '    if dist.get_world_size() > 1: raise RuntimeError("boom")'))
     with pytest.raises(labkit.LaunchError) as caught:
-        labkit.sweep("flaky.py", nproc=[1, 2], repeats=1, timeout_s=120)
+        labkit.sweep("flaky.py", nproc=[1, ranks], repeats=1, timeout_s=120)
     assert [run.nproc for run in caught.value.sweep.runs] == [1]
 
 

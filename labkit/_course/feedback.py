@@ -59,6 +59,8 @@ class Feedback:
             may read its traceback to name a likelier cause).
         hints: for each item, the number of the hint about it (``labkit.hint``), or None.
         stopped: the launch did not succeed, so nothing of the run was checked.
+        notes: what the learner should know that is neither right nor wrong, e.g. that the
+            check ran at another size than ``LABKIT_RANKS`` asks for, and why.
 
     Example (an exercise notebook)::
 
@@ -72,6 +74,7 @@ class Feedback:
     failure: object = field(default=None, repr=False)
     hints: list = field(default_factory=list, repr=False)
     stopped: bool = False
+    notes: list = field(default_factory=list)
 
     def _add(self, status: str, text: str, hint: int | None) -> None:
         self.items.append((status, text))
@@ -82,6 +85,10 @@ class Feedback:
 
     def fail(self, text: str, *, hint: int | None = None) -> None:
         self._add("fail", text, hint)
+
+    def note(self, text: str) -> None:
+        """A line shown under the findings that counts neither way (``note: ...``)."""
+        self.notes.append(text)
 
     def todo(self, text: str, *, hint: int | None = None) -> None:
         self._add("todo", text, hint)
@@ -150,6 +157,7 @@ class Feedback:
     def __str__(self) -> str:
         lines = [f"Exercise {self.exercise}: {self._verdict()}"]
         lines += [f"  {_MARK[s]} {text}" for s, text in self.items]
+        lines += [f"  note: {text}" for text in self.notes]
         if self._hint_line():
             lines.append(self._hint_line())
         return "\n".join(lines)
@@ -160,6 +168,8 @@ class Feedback:
         rows = "".join(
             f"<li style='list-style:none;color:{_COLOR[s]}'>{_MARK[s]} "
             f"<span style='color:inherit'>{html.escape(text)}</span></li>" for s, text in self.items)
+        rows += "".join(f"<li style='list-style:none;color:#57606a'>note: {html.escape(text)}</li>"
+                        for text in self.notes)
         hint = f"<p><i>{html.escape(self._hint_line())}</i></p>" if self._hint_line() else ""
         return (f"<div><b>Exercise {html.escape(self.exercise)}</b>: {html.escape(self._verdict())}"
                 f"<ul style='padding-left:0.5em'>{rows}</ul>{hint}</div>")
@@ -167,7 +177,8 @@ class Feedback:
     def _repr_mimebundle_(self, include=None, exclude=None):
         return {"text/plain": str(self), "text/html": self._repr_html_(),
                 MIME: {"exercise": self.exercise, "status": self.status,
-                       "items": [list(item) for item in self.items]}}
+                       "items": [list(item) for item in self.items], "notes": list(self.notes),
+                       "world_size": getattr(self.run, "world_size", None)}}
 
 
 class _Stop(BaseException):

@@ -3,17 +3,41 @@ comparisons. A helper that finds the run unfit to check ends the check (``Feedba
 
 from __future__ import annotations
 
+import os
+
 from labkit import _hardware
 from labkit._errors import NoMetricsError
 from labkit._course.feedback import Feedback
 
 
 def _ranks(minimum: int = 2) -> dict:
-    """Launch options for a check: every GPU when there are ``minimum`` or more, else CPU ranks."""
+    """Launch options for a check: every GPU when there are ``minimum`` or more (in smoke mode
+    as many as ``LABKIT_RANKS`` allows, at least ``minimum``), else ``LABKIT_RANKS`` CPU ranks
+    (2 unless set; ``make test-scale`` sets 4), at least ``minimum``: the size a lesson launches
+    (``labkit.default_nproc``)."""
+    wanted = max(minimum, _hardware.cpu_ranks())
     gpus = _hardware.gpu_count()
     if gpus >= minimum:
-        return {"nproc": min(gpus, 8 if not _hardware.is_smoke() else minimum), "device": "auto"}
-    return {"nproc": minimum, "device": "cpu"}
+        return {"nproc": min(gpus, wanted if _hardware.is_smoke() else 8), "device": "auto"}
+    return {"nproc": wanted, "device": "cpu"}
+
+
+def _only_at(feedback: Feedback, nproc: int, why: str) -> dict:
+    """Launch options for a check whose exercise holds at ``nproc`` ranks only (GPUs when there
+    are that many, else CPU ranks). When ``LABKIT_RANKS`` asks for another size, the feedback
+    says so, and why, in a note: a check never passes silently at a size it did not run.
+
+    Example (a check whose plan is written for two ranks)::
+
+        feedback = Feedback(EXERCISE)
+        options = _only_at(feedback, 2, "the plan cuts each layer in two")
+        feedback, run = launched(feedback, target, timeout_s=timeout_s, **options)
+    """
+    asked = os.environ.get(_hardware.RANKS_ENV, "").strip()
+    if asked and _hardware.cpu_ranks() != nproc:
+        feedback.note(f"this check runs on {nproc} ranks, not the {_hardware.cpu_ranks()} that "
+                      f"{_hardware.RANKS_ENV} asks for: {why}")
+    return {"nproc": nproc, "device": "auto" if _hardware.gpu_count() >= nproc else "cpu"}
 
 
 def _metrics(feedback: Feedback, run, needed: list[str]):
