@@ -22,6 +22,7 @@ import labkit
 from conftest import python
 from labkit import LaunchError, LaunchTimeout, _hardware
 from labkit._launch import agents as _nodes
+from labkit._launch import procs as _procs
 from labkit._launch.plan import plan
 from labkit._rank import proc as _proc
 
@@ -108,19 +109,26 @@ def test_each_node_gets_gpus_of_its_own(node, nproc, visible, expected):
     assert _nodes.gpu_slice(node, nproc, visible) == expected
 
 
-def test_an_agent_that_failed_ends_the_wait_for_the_others(tmp_path, monkeypatch):
+@pytest.mark.parametrize("survivor, waited", [
+    (["sh", "-c", "sleep 300 & wait"], (0.4, 10)),   # its ranks run still: the grace
+    (["sleep", "300"], (0, 0.4)),                    # no rank left (torchrun's exit barrier): none
+], ids=["with-ranks", "rankless"])
+def test_an_agent_that_failed_ends_the_wait_for_the_others(tmp_path, monkeypatch, survivor, waited):
     """torchrun's exit barrier would keep a healthy agent 300 s after its peer failed."""
     monkeypatch.setattr(_nodes, "FAILURE_GRACE_S", 0.5)
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    agents = _nodes.Agents([["sh", "-c", "exit 3"], ["sleep", "300"]], [None, None], logs)
+    agents = _nodes.Agents([["sh", "-c", "exit 3"], survivor], [None, None], logs)
     agents.start()
     try:
+        time.sleep(0.2)  # both started; the survivor's child too
         start = time.monotonic()
         while agents.running():
             time.sleep(0.05)
-        assert 0.4 < time.monotonic() - start < 10
+        assert waited[0] <= time.monotonic() - start < waited[1]
         assert agents.returncode == 3  # the failure, not the survivor's "still running"
     finally:
+        for child in _procs.children(agents.procs[1].pid):  # the stand-in rank, which no torchrun ends
+            _procs.kill_tree(child)
         agents.stop(grace_s=1)
     assert agents.procs[1].returncode is not None
 
@@ -196,9 +204,13 @@ def test_two_nodes_of_several_ranks_each(workdir, write_script, capsys, monkeypa
 
 
 @pytest.mark.launch
-def test_a_rank_that_raises_on_the_second_node_is_named_and_nothing_waits_for_it(workdir, write_script):
+def test_a_rank_that_raises_on_the_second_node_is_named_and_nothing_waits_for_it(
+        workdir, write_script, monkeypatch):
     """Rank 0 finishes and its agent enters torchrun's exit barrier; rank 1, on the other node,
-    raises. torchrun alone would keep agent 0 waiting 300 s; the launch ends in seconds."""
+    raises. torchrun alone would keep agent 0 waiting 300 s; the launch ends in seconds. Agent 0
+    has no rank left, so it is not even given the grace an agent with ranks still running gets:
+    with that grace set to 120 s, the launch still ends well before it."""
+    monkeypatch.setattr(_nodes, "FAILURE_GRACE_S", 120.0)
     write_script("fail.py", """
         import time, torch.distributed as dist
         dist.init_process_group("gloo")

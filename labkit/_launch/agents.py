@@ -28,7 +28,8 @@ from pathlib import Path
 
 from labkit._launch import procs
 from labkit._rank import agent
-#: Seconds the other agents get, after one failed, to stop on their own.
+#: Seconds the other agents get, after one failed, to stop on their own (an agent whose ranks
+#: have all ended gets none: it can only wait, see ``Agents.running``).
 FAILURE_GRACE_S = 5.0
 
 
@@ -59,6 +60,10 @@ class Agents:
     rendezvous store, so it starts first.
     """
 
+    #: After a failure, stop waiting for agents that have no rank left (their job is over). An
+    #: elastic run's agents without ranks may be meeting for the next round: they keep the grace.
+    END_WHEN_RANKLESS = True
+
     def __init__(self, argvs: list[list[str]], envs: list[dict], logs: list[Path]):
         self.argvs, self.envs, self.logs = argvs, envs, logs
         self.procs: list[subprocess.Popen] = []
@@ -84,15 +89,24 @@ class Agents:
         return [p.pid for p in self.procs]
 
     def running(self) -> bool:
-        """False once every agent has exited, or one failed and the others had their grace."""
+        """False once every agent has exited, or one failed and the others had their grace (none
+        for an agent whose ranks have all ended)."""
         codes = [p.poll() for p in self._kept()]
         if all(code is not None for code in codes):
             return False
         if any(code not in (None, 0) for code in codes):
             # torchrun's exit barrier waits 300 s for an agent that failed: do not wait for it.
             self.failed_at = self.failed_at or time.monotonic()
+            if self.END_WHEN_RANKLESS and self._rankless():
+                return False
             return time.monotonic() - self.failed_at < FAILURE_GRACE_S
         return True
+
+    def _rankless(self) -> bool:
+        """Every agent still running has no process of its own left (its ranks ended): it can
+        only wait, in torchrun's exit barrier or for a node that failed, so nothing is gained
+        by giving it the grace."""
+        return all(not procs.children(p.pid) for p in self._kept() if p.poll() is None)
 
     @property
     def returncode(self) -> int | None:

@@ -74,6 +74,8 @@ class ElasticAgents(Agents):
     added later.
     """
 
+    END_WHEN_RANKLESS = False   # between rounds an agent has no ranks, and is not done
+
     def __init__(self, argvs, envs, logs):
         super().__init__(argvs, envs, logs)
         self.replaced: dict[int, int] = {}   # joining node -> the killed node whose place it takes

@@ -148,10 +148,12 @@ class _Launch:
         """The poll loop: rank output, the live chart and events, until every agent has ended
         ("running": the outcome is theirs) or a timeout or a hang stops the run ("timeout")."""
         deadline = None if self.p.timeout_s is None else self.start_s + self.p.timeout_s
-        while self.agents.running():
-            if self._port_taken():
+        while True:
+            if self._port_taken():  # asked first: agent 0's failure may already end the wait
                 self._start_on_a_new_port()
                 continue
+            if not self.agents.running():
+                break
             self.streams.poll()
             self.live.update()
             self.driver.poll()
