@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,7 +59,9 @@ def ranks() -> int:
 @pytest.hookimpl(tryfirst=True)  # before -m selects: `-m ranks` sees the mark
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "ranks" in getattr(item, "fixturenames", ()):
+        parametrized = getattr(item, "callspec", None)
+        if "ranks" in getattr(item, "fixturenames", ()) and "ranks" not in (
+                parametrized.params if parametrized else {}):  # a parameter of that name is not it
             item.add_marker(pytest.mark.ranks)
     skips = {}
     if any("slurm" in item.keywords for item in items):
@@ -169,31 +172,46 @@ TIMINGS: dict[str, float] = {}
 
 
 def execute(notebook: Path, *, timeout: int = 300, smoke: bool = True) -> list[dict]:
-    """Execute ``notebook`` in place with nbmake in smoke mode (or full mode: ``smoke=False``,
-    what a learner runs by default); return its executed cells.
+    """Execute ``notebook`` in place in smoke mode (or full mode: ``smoke=False``, what a learner
+    runs by default), as nbmake does: nbclient starts a fresh ``python3`` kernel in the
+    notebook's folder, runs every cell (each within ``timeout`` seconds) and the executed
+    notebook is written back. Returns its executed cells.
 
-    Fails the test with the end of nbmake's report if a cell raised, and names any code
-    cell that never ran. MPLBACKEND is unset
-    so that charts are kept as images, as in JupyterLab. The wall time goes to TIMINGS.
+    Driven from this process, not a ``pytest --nbmake`` of its own: that started a second
+    pytest for every notebook, seconds each, for nothing the test reads. Fails the test with
+    the cell and the error if a cell raised, and names any code cell that never ran. MPLBACKEND
+    is unset so that charts are kept as images, as in JupyterLab. The wall time (kernel start
+    included) goes to TIMINGS.
     """
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
     env = dict(os.environ, LABKIT_SMOKE="1" if smoke else "0")
     env.pop("MPLBACKEND", None)
+    nb = nbformat.read(notebook, as_version=4)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False)
     start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake",
-         "--overwrite", f"--nbmake-timeout={timeout}", str(notebook)],
-        cwd=notebook.parent, env=env, capture_output=True, text=True, timeout=3 * timeout,
-    )
-    TIMINGS[f"{notebook.parent.name}/{notebook.name}" + ("" if smoke else " (full mode)")] = (
-        time.monotonic() - start)
-    assert result.returncode == 0, f"nbmake failed on {notebook.name}:\n{result.stdout[-6000:]}"
+    failed = None
+    try:
+        client.execute(cwd=str(notebook.parent), env=env)
+    except (CellExecutionError, CellTimeoutError) as err:
+        failed = _ANSI.sub("", str(err))
+    finally:
+        TIMINGS[f"{notebook.parent.name}/{notebook.name}" + ("" if smoke else " (full mode)")] = (
+            time.monotonic() - start)
+        nbformat.write(nb, notebook)
+    assert failed is None, f"{notebook.name} failed:\n{failed[-6000:]}"
     cells = json.loads(notebook.read_text())["cells"]
     # An IPython UsageError (e.g. an empty %%writefile cell) goes to stderr and stops the
-    # notebook there, yet nbmake reports a pass: every code cell must have run.
+    # notebook there, yet the kernel reports no error: every code cell must have run.
     never_ran = [i for i, cell in enumerate(cells)
                  if cell["cell_type"] == "code" and cell.get("execution_count") is None]
     assert not never_ran, f"{notebook.name}: code cells {never_ran} never ran"
     return cells
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def pytest_addoption(parser):
