@@ -24,6 +24,10 @@ tensor parallel, both on a 2-D mesh) and weighs it in bytes::
     forward.calls              # {"all_reduce": 4}: one per tensor-parallel block
     forward.bytes              # {"all_reduce": 65536}: the full buffer of each, added up
     forward.sent_bytes         # what each rank sends, by the ring algorithms' arithmetic
+
+Lesson 13 checks what it counted against what ZeRO should send::
+
+    comm.zero_traffic(units, world_size, stage)   # {"reduce_scatter": ..., "all_gather": ...}
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations
@@ -37,7 +41,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["AllReduceCounter", "count_allreduces", "Collective", "CollectiveCounter", "count_collectives"]
+__all__ = ["AllReduceCounter", "count_allreduces", "Collective", "CollectiveCounter", "count_collectives",
+           "zero_traffic"]
 
 
 @dataclass
@@ -263,3 +268,45 @@ def count_collectives() -> CollectiveCounter:
         metrics.log(step, backward_calls=sum(backward.calls.values()), sent=backward.sent_bytes)
     """
     return CollectiveCounter()
+
+
+def zero_traffic(units, world_size: int, stage: int, *, value_bytes: int = 4) -> dict:
+    """The collectives of one training step under ZeRO stage 0 (DDP), 1, 2 or 3, in bytes.
+
+    Each entry is the full-buffer bytes of a kind of collective, added up over the step, as
+    ``count_collectives`` weighs them, so the two compare with ``==``. With Psi values:
+
+    - DDP all-reduces every gradient: ``all_reduce`` Psi;
+    - ZeRO-1 and 2 reduce-scatter the gradients, then all-gather the updated slices: Psi each,
+      2 Psi in all, what DDP's all-reduce carries (an all-reduce *is* a reduce-scatter and an
+      all-gather);
+    - ZeRO-3 all-gathers each unit twice (for forward and again for backward): 3 Psi.
+
+    Each unit is padded to a multiple of W, as ``labkit.memory.zero_bytes`` says; DDP pads
+    nothing.
+
+    Args:
+        units: modules, or their numbers of values (one flat buffer each).
+        world_size: W.
+        stage: 0, 1, 2 or 3.
+        value_bytes: bytes per value (4 for float32).
+
+    Returns:
+        ``{kind: bytes}``, kinds as ``CollectiveCounter.bytes`` names them.
+
+    Raises:
+        ValueError: a bad stage, world size or unit.
+
+    Example (lesson 13)::
+
+        comm.zero_traffic([1000, 10], 4, stage=3)   # {'all_gather': 8096, 'reduce_scatter': 4048}
+    """
+    from labkit.memory import _units
+
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
+    counts = _units(units, world_size)
+    if stage == 0:
+        return {"all_reduce": sum(counts) * value_bytes}
+    padded = sum(-(-n // world_size) * world_size for n in counts) * value_bytes
+    return {"all_gather": (2 if stage == 3 else 1) * padded, "reduce_scatter": padded}

@@ -9,6 +9,12 @@ Lessons 05 and 06 use it, in scripts and notebooks alike::
     memory.model_bytes(model, optimizer)   # ModelBytes(params=..., grads=..., optimizer=...)
     memory.cuda_peak_bytes(device)    # on GPU: torch.cuda.max_memory_allocated; else None
 
+Lesson 13 builds ZeRO by hand and checks what each rank holds against the ZeRO paper's table::
+
+    memory.storage_bytes(model.parameters())   # the memory blocks behind them, each once, whole
+    memory.zero_bytes(units, world_size, stage)   # ModelBytes that ZeRO stage 0-3 holds per rank
+    memory.zero_table(units, world_size)          # DDP and the three stages side by side
+
 Everything here counts real tensors, so it works on any device, CPU included.
 ``model_bytes`` counts a DTensor by its **local** shard (``to_local()``): under
 FSDP that is what this rank holds.
@@ -22,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["SavedTensorMeter", "ModelBytes", "model_bytes", "tensor_bytes", "local_tensor",
-           "cuda_peak_bytes", "reset_cuda_peak"]
+           "cuda_peak_bytes", "reset_cuda_peak", "storage_bytes", "zero_bytes", "zero_table"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -299,3 +305,128 @@ def cuda_peak_bytes(device=None) -> int | None:
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
     return int(torch.cuda.max_memory_allocated(device))
+
+
+# -- ZeRO (lesson 13) -------------------------------------------------------------------------
+def storage_bytes(tensors) -> int:
+    """Bytes of the memory blocks (storages) behind ``tensors``: each block once, and whole.
+
+    Where ``tensor_bytes`` counts each tensor's own numbers, this counts the memory they live
+    in: many views into one flat buffer count as that buffer, its padding included; a tensor
+    whose storage was freed (resized to 0 bytes, as ZeRO-3 frees a gathered unit) counts 0.
+    A DTensor counts its local shard's storage.
+
+    Args:
+        tensors: a tensor, or an iterable of tensors.
+
+    Returns:
+        the number of bytes, an int.
+
+    Raises:
+        TypeError: an item is not a tensor.
+
+    Example (lesson 13)::
+
+        flat = torch.zeros(10)
+        memory.storage_bytes([flat[:3], flat[3:7]])   # 40: one buffer of 10 floats
+    """
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    seen, total = set(), 0
+    for t in list(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"storage_bytes counts tensors, got a {type(t).__name__}. "
+                            f"HINT: pass model.parameters() or a list of tensors.")
+        storage = local_tensor(t).untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _units(units, world_size) -> list[int]:
+    """Each unit's number of values, checked (``units``: numbers, or modules to count)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    counts = [sum(p.numel() for p in u.parameters()) if isinstance(u, torch.nn.Module) else u
+              for u in units]
+    if not counts or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts):
+        raise ValueError(f"units must be a non-empty list of modules or of value counts > 0, got {counts!r}. "
+                         f"HINT: memory.zero_bytes([model.stem, *model.blocks, model.head], world_size, stage).")
+    return counts
+
+
+def zero_bytes(units, world_size: int, stage: int, *, value_bytes: int = 4,
+               optimizer_values: int = 2) -> ModelBytes:
+    """What one rank holds under ZeRO stage 0 (DDP), 1, 2 or 3, by the ZeRO paper's table.
+
+    With Psi values in all, a rank holds Psi parameters, Psi gradients and ``optimizer_values``
+    × Psi of optimizer state under DDP (AdamW: two moments). ZeRO-1 cuts the optimizer state
+    into W slices, ZeRO-2 the gradients too, ZeRO-3 the parameters too (Rajbhandari et al.,
+    2020, arXiv:1910.02054, figure 1). Exactly, as lesson 13's ``scripts/zero.py`` holds them:
+    each unit is one flat buffer padded with zeros to a multiple of W (P values, P/W a slice),
+    so that it splits into W equal slices; under stages 1 and 2 the whole padded buffer is
+    held. Measured right after ``backward()``: stage 1 still holds every gradient whole.
+    Optimizers' step counters are not counted (the paper's table has none).
+
+    Args:
+        units: what is flattened and cut together: modules, or their numbers of values.
+        world_size: W, the ranks that share the slices.
+        stage: 0 (DDP: nothing cut), 1, 2 or 3.
+        value_bytes: bytes per value (4 for float32).
+        optimizer_values: optimizer values per parameter (AdamW 2, SGD with momentum 1).
+
+    Returns:
+        ModelBytes(params, grads, optimizer) in bytes.
+
+    Raises:
+        ValueError: a bad stage, world size or unit.
+
+    Example (lesson 13)::
+
+        memory.zero_bytes([4160, 33216, 33216, 778], 4, stage=2)   # ModelBytes(params=285_488, grads=71_372, ...)
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
+    counts = _units(units, world_size)
+    whole = sum(counts)
+    padded = sum(-(-n // world_size) * world_size for n in counts)  # each unit: a multiple of W
+    if stage == 0:
+        return ModelBytes(whole * value_bytes, whole * value_bytes, optimizer_values * whole * value_bytes)
+    mine = padded // world_size
+    params = mine if stage == 3 else padded
+    grads = whole if stage == 1 else mine
+    return ModelBytes(params * value_bytes, grads * value_bytes, optimizer_values * mine * value_bytes)
+
+
+def zero_table(units, world_size: int, *, value_bytes: int = 4, optimizer_values: int = 2):
+    """DDP and ZeRO's three stages side by side: bytes per rank, and bytes sent per step.
+
+    Memory from ``zero_bytes``; traffic from ``labkit.comm.zero_traffic``, weighed as a rank
+    sends it with ring algorithms (``labkit.comm.Collective.sent_bytes``).
+
+    Args:
+        units, world_size, value_bytes, optimizer_values: as for ``zero_bytes``.
+
+    Returns:
+        a pandas DataFrame indexed by strategy (``DDP``, ``ZeRO-1``, ``ZeRO-2``, ``ZeRO-3``),
+        columns ``params``, ``grads``, ``optimizer``, ``total`` and ``sent`` (the bytes one rank
+        sends in one step's collectives), all in bytes. DDP sends what ZeRO-1 and 2 send, up to
+        their padding: 2 (W - 1) / W × Psi values; ZeRO-3 half as much again.
+
+    Example (lesson 13)::
+
+        memory.zero_table([model.stem, *model.blocks, model.head], world_size=2)
+    """
+    import pandas as pd
+
+    from labkit import comm
+
+    rows = {}
+    for stage, name in enumerate(("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")):
+        held = zero_bytes(units, world_size, stage, value_bytes=value_bytes, optimizer_values=optimizer_values)
+        traffic = comm.zero_traffic(units, world_size, stage, value_bytes=value_bytes)
+        rows[name] = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer,
+                      "total": held.total, "sent": sum(comm.Collective(k, b, world_size).sent_bytes for k, b in traffic.items())}
+    return pd.DataFrame.from_dict(rows, orient="index")
