@@ -44,6 +44,10 @@ class _Logged:
     def buffer_bytes(self) -> int:
         return (self.numel + self.padding) * VALUE_BYTES
 
+    def first(self):
+        """The first step's rows: its gradient depends on the initial weights only."""
+        return self.steps[self.steps["step"] == self.steps["step"].min()]
+
     def calls(self, kind: str):
         column = f"calls_{kind}"
         return self.steps[column].fillna(0) if column in self.steps else self.steps["step"] * 0
@@ -126,17 +130,18 @@ def _collectives(feedback: Feedback, logged: _Logged) -> bool:
 
 
 def _gradient(feedback: Feedback, logged: _Logged) -> bool:
-    """Each rank's shard.grad against its slice of DDP's mean gradient. True when right."""
+    """Each rank's shard.grad against its slice of DDP's mean gradient, at the first step: later
+    gradients depend on the weights, which ``_weights`` judges. True when right."""
     tolerance = TOLERANCE.get(logged.device, TOLERANCE["cuda"])
-    steps = logged.steps
+    steps = logged.first()
     if steps["grad_gap"].isna().any():
         feedback.fail("after your step shard.grad holds no gradient: put the reduce-scatter's output into "
                       "shard.grad = torch.empty_like(shard), so that the optimizer steps with it.", hint=1)
         return False
     gap = float(steps["grad_gap"].max())
     if gap <= tolerance:
-        feedback.ok(f"shard.grad is this rank's slice of DDP's mean gradient, on every rank and step (within "
-                    f"{gap:.1e}; tolerance {tolerance:g})")
+        feedback.ok(f"shard.grad is this rank's slice of DDP's mean gradient, on every rank (within {gap:.1e}; "
+                    f"tolerance {tolerance:g})")
         return True
     ratio = float(steps["grad_ratio"].median())
     if abs(ratio - logged.world) < 0.01 * logged.world:
@@ -153,13 +158,14 @@ def _weights(feedback: Feedback, logged: _Logged, gathered: bool, gradient_right
     """Every weight against DDP's, after every step: this rank's slice, and the others'."""
     tolerance = TOLERANCE.get(logged.device, TOLERANCE["cuda"])
     own, other = float(logged.steps["own_gap"].max()), float(logged.steps["other_gap"].max())
+    first = logged.first()
     if max(own, other) <= tolerance:
         feedback.ok(f"after every step every weight equals DDP's, on every rank (within {max(own, other):.1e})")
     elif not gradient_right or not gathered:
         return  # the findings above are the cause
-    elif own <= tolerance:
+    elif float(first["own_gap"].max()) <= tolerance:
         feedback.fail(f"this rank's own slice of the weights equals DDP's, but the other ranks' slices are a step "
-                      f"behind (up to {other:.1e} off): you gathered the slices before optimizer.step(). Gather "
+                      f"behind (up to {float(first['other_gap'].max()):.1e} off after the first): you gathered the slices before optimizer.step(). Gather "
                       f"after it, when every slice holds its new values.", hint=3)
     else:
         feedback.fail(f"after the step the weights differ from DDP's by up to {max(own, other):.1e}: step the "
