@@ -127,6 +127,9 @@ _LAZY = {
     "measured_cost": "labkit._results.strategies",
     "collectives_per_step": "labkit._results.strategies",
     "expected_cost": "labkit._results.costs",
+    "zero_bytes": "labkit._results.zero",          # lesson 13: ZeRO's table
+    "zero_traffic": "labkit._results.zero",
+    "zero_table": "labkit._results.zero",
     "schedule_order": "labkit._results.pipeline",
     "most_in_flight": "labkit._results.pipeline",
     "replay_schedule": "labkit._results.pipeline",

@@ -13,6 +13,8 @@ Owns:
     strategies ``prove_same``, ``measured_cost``, ``held_shards``, ...: a strategy's run proved
               against one process; what each rank held and sent (lessons 11, 12)
     costs     ``expected_cost``: what each strategy should hold and send, from the model's shapes
+    zero      ``zero_bytes``, ``zero_traffic``, ``zero_table``: ZeRO's table, what each stage holds
+              and sends per rank (lesson 13)
     pipeline  ``schedule_order``, ``replay_schedule``, ``plot_schedule``, ...: pipeline schedules
               written out, replayed and read back from a run (lesson 12)
 
