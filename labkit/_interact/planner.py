@@ -83,9 +83,9 @@ class Planner:
         except ValueError as err:
             self._table.value = f"<pre>{err}</pre>"
             return
+        self._image.value = _png(table)     # the chart first: the table is what says it is done
         self._table.value = (f"<div class='labkit-planner-caption'>{plan.caption(table)}</div>"
-                             + plan.shown(table).to_html(classes="labkit-planner-rows"))
-        self._image.value = _png(table)
+                             + plan.shown(table).to_html(classes="labkit-planner-rows", index_names=False))
 
     def __repr__(self) -> str:
         return f"Planner({self.settings!r})"
