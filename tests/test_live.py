@@ -209,3 +209,24 @@ def test_a_sweep_says_run_k_of_n_and_the_time_left_at_the_pace_so_far(monkeypatc
     for _ in range(3):
         progress.done()
     assert progress.left() == ""
+
+
+def test_the_stop_button_sends_the_toolbars_interrupt_for_this_kernel():
+    from labkit._launch.stop import kernel_id, stop_button
+
+    assert kernel_id() is None and stop_button(None) == ""      # no kernel the server started: no button
+    button = stop_button("0f6c2a44-1b7e-4c5d-9a3e-2f1d0c9b8a77")
+    assert button.startswith("<button class='labkit-stop' onclick=\"") and "&#9632; Stop</button>" in button
+    assert "api/kernels/0f6c2a44-1b7e-4c5d-9a3e-2f1d0c9b8a77/interrupt" in button
+    assert '"' not in button.split('onclick="')[1].split('" title=')[0], "the script would end the attribute"
+
+
+def test_the_live_frames_carry_the_stop_button(view, monkeypatch):
+    live, clock, handle = view
+    live._stop = "<button class='labkit-stop'>&#9632; Stop</button>"
+    log(live.run_dir, 0, 0, clock.now, loss=1.0)
+    clock.now += 3
+    live.update()
+    assert "<button class='labkit-stop'>" in handle.shown[-1][1]["text/html"]
+    live.finish("ok")
+    assert "text/html" not in handle.shown[-1][1], "the saved notebook keeps the chart, not the button"

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from labkit import _rundir
+from labkit._launch.stop import kernel_id, stop_button
 from labkit._launch.tail import LineTail, parse_records
 
 _MIN_INTERVAL_S = 0.5   # at most two updates a second
@@ -98,6 +99,7 @@ class LiveView:
         self._last_chart = 0.0
         self._png: bytes | None = None
         self._dirty = False
+        self._stop = stop_button(kernel_id()) if self.enabled else ""
         if self.enabled:
             from IPython.display import display
             self._handle = display({"text/plain": f"{name}: starting…"}, raw=True,
@@ -198,10 +200,10 @@ class LiveView:
             self._png = self._render(text)
             self._last_chart, self._dirty = now, False
         bundle = {"text/plain": text}
-        if self._png is not None:
-            img = base64.b64encode(self._png).decode()
-            bundle["text/html"] = (f"<pre>{html.escape(text)}</pre>"
-                                   f"<img src='data:image/png;base64,{img}'/>")
+        if self._png is not None or self._stop:
+            img = "" if self._png is None else (
+                f"<img src='data:image/png;base64,{base64.b64encode(self._png).decode()}'/>")
+            bundle["text/html"] = f"<pre>{html.escape(text)}</pre>{self._stop}{img}"
         self._handle.update(bundle, raw=True)
 
     def _print_progress(self) -> None:
