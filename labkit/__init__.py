@@ -21,6 +21,8 @@ Notebook side (see each name's docstring)::
     labkit.schedule_order("1f1b", 0, stages=2, microbatches=8)       # a pipeline stage's order (12)
     p = labkit.predict("bytes all-reduced per step", unit="MB")     # the learner's guess, then
     p.grade(measured_mb, run=run)                                    # graded, kept in the run folder
+    labkit.planner(dim=1024, depth=8, world_size=8)                  # memory and bytes per strategy
+    labkit.plan_table(model, world_size=4)                           # the same, as a DataFrame
 
 Exercises (``exercises/``)::
 
@@ -84,6 +86,9 @@ _LAZY = {
     "Prediction": "labkit._interact.predict",
     "Grade": "labkit._interact.predict",
     "predictions": "labkit._interact.guesses",
+    "planner": "labkit._interact.planner",           # lessons 12, 13: the memory calculator
+    "Planner": "labkit._interact.planner",
+    "plan_table": "labkit._interact.plan",
     # diagnosing (labkit/_diagnose/)
     "doctor": "labkit._diagnose.doctor",
     "Report": "labkit._diagnose.doctor",

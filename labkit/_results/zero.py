@@ -1,7 +1,8 @@
 """ZeRO's table: what one rank holds and sends under DDP and ZeRO's three stages (lesson 13).
 
 Pure arithmetic on the model's units (each one flat buffer, padded to a multiple of W as lesson
-13's ``scripts/zero.py`` pads it), checked by lesson 13 against what its runs measured
+13's ``scripts/zero.py`` pads it), worked out by ``labkit/_results/costs.py`` (the planner's
+arithmetic too: one source), checked by lesson 13 against what its runs measured
 (``labkit.memory.storage_bytes``) and counted (``labkit.comm.count_collectives``)::
 
     labkit.zero_bytes(units, world_size, stage)     # ModelBytes(params, grads, optimizer)
@@ -63,25 +64,20 @@ def zero_bytes(units, world_size: int, stage: int, *, value_bytes: int = 4,
 
         labkit.zero_bytes([4160, 33216, 33216, 778], 4, stage=2)   # ModelBytes(params=285_488, grads=71_372, ...)
     """
+    from labkit._results.costs import zero_held
     from labkit.memory import ModelBytes
 
     _check_stage(stage)
-    counts = _units(units, world_size)
-    whole = sum(counts)
-    padded = sum(-(-n // world_size) * world_size for n in counts)  # each unit: a multiple of W
-    if stage == 0:
-        return ModelBytes(whole * value_bytes, whole * value_bytes, optimizer_values * whole * value_bytes)
-    mine = padded // world_size
-    params = mine if stage == 3 else padded
-    grads = whole if stage == 1 else mine
-    return ModelBytes(params * value_bytes, grads * value_bytes, optimizer_values * mine * value_bytes)
+    return ModelBytes(*zero_held(_units(units, world_size), world_size, stage, value_bytes=value_bytes,
+                                 optimizer_values=optimizer_values))
 
 
 def zero_table(units, world_size: int, *, value_bytes: int = 4, optimizer_values: int = 2):
     """DDP and ZeRO's three stages side by side: bytes per rank, and bytes sent per step.
 
     Memory from ``zero_bytes``; traffic from ``zero_traffic``, weighed as a rank
-    sends it with ring algorithms (``labkit.comm.Collective.sent_bytes``).
+    sends it with ring algorithms (``labkit._results.costs.sent_bytes``, as
+    ``labkit.comm.Collective.sent_bytes`` weighs what a run counted).
 
     Args:
         units, world_size, value_bytes, optimizer_values: as for ``zero_bytes``.
@@ -98,14 +94,14 @@ def zero_table(units, world_size: int, *, value_bytes: int = 4, optimizer_values
     """
     import pandas as pd
 
-    from labkit.comm import Collective
+    from labkit._results.costs import sent_bytes
 
     rows = {}
     for stage, name in enumerate(("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")):
         held = zero_bytes(units, world_size, stage, value_bytes=value_bytes, optimizer_values=optimizer_values)
         traffic = zero_traffic(units, world_size, stage, value_bytes=value_bytes)
         rows[name] = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer,
-                      "total": held.total, "sent": sum(Collective(k, b, world_size).sent_bytes for k, b in traffic.items())}
+                      "total": held.total, "sent": sum(sent_bytes(k, b, world_size) for k, b in traffic.items())}
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
@@ -140,9 +136,7 @@ def zero_traffic(units, world_size: int, stage: int, *, value_bytes: int = 4) ->
 
         labkit.zero_traffic([1000, 10], 4, stage=3)   # {'all_gather': 8096, 'reduce_scatter': 4048}
     """
+    from labkit._results.costs import zero_collectives
+
     _check_stage(stage)
-    counts = _units(units, world_size)
-    if stage == 0:
-        return {"all_reduce": sum(counts) * value_bytes}
-    padded = sum(-(-n // world_size) * world_size for n in counts) * value_bytes
-    return {"all_gather": (2 if stage == 3 else 1) * padded, "reduce_scatter": padded}
+    return zero_collectives(_units(units, world_size), world_size, stage, value_bytes=value_bytes)
