@@ -1,8 +1,9 @@
 # Two commands do everything on a fresh machine:
 #   make lab    create .venv if needed, install the course, start JupyterLab in the course folder
 #   make test   the same set-up, then every test: unit, real 2-rank launches, notebooks in smoke mode
-#   make test-scale     every lesson and exercise check at 4 CPU ranks, launch tests at 3 (CI runs it too)
+#   make test-scale     every lesson and exercise check at 4 CPU ranks, launch tests at 3
 #   make test-browser   the lessons in a real JupyterLab, driven by headless Chromium (CI runs it too)
+#   make test-gpu       on a machine with a CUDA GPU: every GPU path of the course, with plain python3
 # Run again, each skips the set-up that is already done.
 
 PYTHON ?= python3
@@ -30,7 +31,7 @@ LOCK   := requirements.lock
 PIN     = $(if $(wildcard $(LOCK)),-c $(LOCK))
 PIN_TORCH = $(if $(findstring --index-url,$(TORCH)),,$(PIN))
 
-.PHONY: lab test test-fast test-full test-scale test-browser test-slurm exercises restore doctor bench clean-runs handout wheelhouse lock
+.PHONY: lab test test-fast test-full test-scale test-browser test-slurm test-gpu gpu-wheels exercises restore doctor bench clean-runs handout wheelhouse lock
 
 # The set-up runs again when what it installs changes: the content of pyproject.toml, the lock or TORCH.
 # The stamp holds their checksum (not a time: a fresh clone next to an existing .venv looks
@@ -97,6 +98,24 @@ test-slurm: $(STAMP)
 	LABKIT_SMOKE=1 $(PY) tools/slurm_cluster.py run --install -- \
 		$(PY) -m pytest tests/test_slurm.py tests/test_slurm_cluster.py
 
+# Every GPU path one CUDA GPU can run, without Jupyter (CONTRIBUTING: Commands): doctor, the tests
+# marked gpu, and each lesson's GPU path from its committed script, in under 8 minutes, then a
+# summary of what ran, skipped and failed, with torch, CUDA and the GPU named (also in
+# build/gpu-check/summary.md). It uses $(PYTHON) as it is (torch with CUDA, pytest, pandas,
+# matplotlib) and sets nothing up. Without a GPU it lists every step as skipped, says why, and exits
+# 0; a GPU this Python cannot use exits 2 with a HINT. REHEARSE=1 runs every step's plumbing on CPU
+# ranks with small sizes (PYTHON=.venv/bin/python here), to find a slip before the GPU machine does.
+test-gpu:
+	PYTHONPATH=. $(PYTHON) tools/gpu_check.py $(if $(REHEARSE),--rehearse)
+
+# The wheels test-gpu needs beyond torch, pytest, pandas and matplotlib (psutil), for a GPU machine
+# without network: downloaded here into gpu-wheels/, copied there with the course folder; the check
+# unpacks them itself. GPU_PLATFORM names the GPU machine's system (aarch64: manylinux2014_aarch64).
+GPU_PLATFORM ?= manylinux2014_x86_64
+gpu-wheels:
+	$(PYTHON) -m pip download --only-binary=:all: --no-deps --platform $(GPU_PLATFORM) \
+		-d gpu-wheels $(PIN) psutil
+
 # Regenerate exercises/ from solutions/ (a changed exercise is backed up to exercises/backup/).
 exercises: $(STAMP)
 	$(PY) -m labkit.exercises generate
@@ -107,8 +126,16 @@ restore: $(STAMP)
 	$(PY) -m labkit.exercises restore "$(EX)"
 
 # The set-up check for one seat of a workshop: the report and a first 2-rank launch; fails on a warning.
+# Before a launch on several nodes, `make doctor NODES=2` runs labkit.preflight instead, on that
+# many loopback nodes here (SLURM=1: on the nodes of a Slurm job; PORT= the rendezvous port,
+# CKPT= the checkpoint folder every node must share): what will break, each with its fix.
 doctor: $(STAMP)
+ifeq ($(NODES),)
 	$(PY) -c "import labkit, sys; report = labkit.doctor(launch=True); print(report); sys.exit(0 if report.ok else 1)"
+else
+	$(PY) -m labkit._diagnose.preflight --nnodes "$(NODES)" $(if $(SLURM),--slurm) \
+		$(if $(PORT),--port "$(PORT)") $(if $(CKPT),--checkpoint-dir "$(CKPT)")
+endif
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch_overhead.py

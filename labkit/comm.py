@@ -41,6 +41,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.nn.parallel import DistributedDataParallel
 
+from labkit._results.costs import sent_bytes  # the ring algorithms' arithmetic, one table of it
+
 __all__ = ["AllReduceCounter", "count_allreduces", "Collective", "CollectiveCounter", "count_collectives"]
 
 
@@ -131,15 +133,6 @@ _KINDS = {
     "reduce_": "reduce", "gather_": "gather", "scatter_": "scatter",
     "send": "send",   # point to point (pipeline stages); its receive is the other rank's part
 }
-#: Bytes each rank sends per byte of full buffer on a group of n ranks, with the ring
-#: algorithms NCCL uses: nccl-tests' "bus bandwidth" factors (its doc/PERFORMANCE.md).
-_SENT_PER_BYTE = {
-    "all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0 if n > 1 else 0.0, "reduce": lambda n: 1.0 if n > 1 else 0.0,
-    "gather": lambda n: (n - 1) / n, "scatter": lambda n: (n - 1) / n,
-    "send": lambda n: 1.0,
-}
 
 
 @dataclass(frozen=True)
@@ -169,7 +162,7 @@ class Collective:
         read from its split sizes), where it was known."""
         if self.sent is not None:
             return self.sent
-        return self.bytes * _SENT_PER_BYTE[self.kind](self.group_size)
+        return sent_bytes(self.kind, self.bytes, self.group_size)
 
 
 def _tensors_bytes(value) -> int:

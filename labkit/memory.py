@@ -9,7 +9,14 @@ Lessons 05 and 06 use it, in scripts and notebooks alike::
     memory.model_bytes(model, optimizer)   # ModelBytes(params=..., grads=..., optimizer=...)
     memory.cuda_peak_bytes(device)    # on GPU: torch.cuda.max_memory_allocated; else None
 
+Lesson 13 builds ZeRO by hand and measures what each rank holds (``labkit.zero_bytes`` says what
+it should hold)::
+
+    memory.storage_bytes(model.parameters())   # the memory blocks behind them, each once, whole
+
 Everything here counts real tensors, so it works on any device, CPU included.
+Longer than labkit's ~300 lines on purpose: it is the scripts' one import for memory (lessons
+05, 06 and 13 call ``memory.X``), and ``SavedTensorMeter`` alone is half of it.
 ``model_bytes`` counts a DTensor by its **local** shard (``to_local()``): under
 FSDP that is what this rank holds.
 """
@@ -22,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["SavedTensorMeter", "ModelBytes", "model_bytes", "tensor_bytes", "local_tensor",
-           "cuda_peak_bytes", "reset_cuda_peak"]
+           "cuda_peak_bytes", "reset_cuda_peak", "storage_bytes"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -299,3 +306,41 @@ def cuda_peak_bytes(device=None) -> int | None:
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return None
     return int(torch.cuda.max_memory_allocated(device))
+
+
+# -- the memory behind tensors (lesson 13) ------------------------------------------------------
+def storage_bytes(tensors) -> int:
+    """Bytes of the memory blocks (storages) behind ``tensors``: each block once, and whole.
+
+    Where ``tensor_bytes`` counts each tensor's own numbers, this counts the memory they live
+    in: many views into one flat buffer count as that buffer, its padding included; a tensor
+    whose storage was freed (resized to 0 bytes, as ZeRO-3 frees a gathered unit) counts 0.
+    A DTensor counts its local shard's storage.
+
+    Args:
+        tensors: a tensor, or an iterable of tensors.
+
+    Returns:
+        the number of bytes, an int.
+
+    Raises:
+        TypeError: an item is not a tensor.
+
+    Example (lesson 13)::
+
+        flat = torch.zeros(10)
+        memory.storage_bytes([flat[:3], flat[3:7]])   # 40: one buffer of 10 floats
+    """
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    seen, total = set(), 0
+    for t in list(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"storage_bytes counts tensors, got a {type(t).__name__}. "
+                            f"HINT: pass model.parameters() or a list of tensors.")
+        storage = local_tensor(t).untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total

@@ -15,6 +15,10 @@ everywhere.
 Every line is stamped with ``rank``, ``world_size``, ``restart`` (torchrun's
 restart count), ``step`` and ``time`` (seconds since the epoch).
 
+A script that knows how many steps it will take says so once, before its loop:
+``metrics.log(0, total_steps=N)``. The notebook's live view then shows ``step k/N`` and
+estimates the time left from the rate so far.
+
 Logging the loss with ``loss.item()`` forces the host to wait for the device.
 Do it every k steps, not every step: the lessons explain why.
 """

@@ -272,12 +272,31 @@ def test_interrupt_from_the_toolbar(open_notebook, course):
     cell = start_longer_run(nb, course)
     clicked = time.monotonic()
     nb.toolbar("interrupt")
+    assert_stopped_cleanly(nb, cell, course, clicked, "interrupt")
+
+
+def test_the_live_views_stop_button_stops_as_the_toolbar_does(open_notebook, course):
+    """The ■ Stop button in the live view, during a launch: what the toolbar's interrupt does,
+    as fast and as clean (it sends the toolbar's own request: a running cell hears no widget)."""
+    nb = open_notebook("notebooks/02_ddp.ipynb")
+    cell = start_longer_run(nb, course)
+    button = cell.locator("button.labkit-stop")
+    button.wait_for()
+    nb.shot("the Stop button", at=cell)
+    clicked = time.monotonic()
+    button.click()
+    assert_stopped_cleanly(nb, cell, course, clicked, "stop button")
+
+
+def assert_stopped_cleanly(nb: Notebook, cell, course: Path, clicked: float, how: str) -> None:
+    """Every rank gone within the bar, one plain line saying what was stopped, no rank line after
+    it, at most a KeyboardInterrupt box without labkit's frames, and the next cell runs."""
     left = wait_for_gone(lambda: ranks(course), GONE_S)
     took = time.monotonic() - clicked
     nb.wait_done(cell)
     nb.shot("interrupted", at=cell)
-    print(f"interrupt: ranks {'still running' if left else 'gone'} {took:.1f} s after the click")
-    assert not left, f"ranks still running {GONE_S} s after the interrupt: {left}"
+    print(f"{how}: ranks {'still running' if left else 'gone'} {took:.1f} s after the click")
+    assert not left, f"ranks still running {GONE_S} s after the {how}: {left}"
     assert took <= INTERRUPT_BAR_S, f"the ranks took {took:.1f} s to go (bar {INTERRUPT_BAR_S} s)"
 
     text = nb.text(cell)
@@ -339,3 +358,99 @@ def test_exercise_check_and_hint(open_notebook):
     nb.shot("the hint", at=cell)
     assert [o for o in outputs if o["mime"] == "text/html" and re.match(r"Hint \d of \d for 02-ddp", o["text"])], (
         outputs)
+
+
+# -- the interactive layer: predict, the planner, progress -------------------------------------
+def write_notebook(path: Path, cells: list[str]) -> Path:
+    """A small notebook of code cells (the interactive layer's own page, before the lessons
+    carry its cells), written into this test's copy of the course."""
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in cells]
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_a_prediction_typed_and_graded(open_notebook, course):
+    """The question is a box, not text: the learner types a number, the note beside it repeats
+    it, and the check cell grades that guess against the measurement, in one line."""
+    write_notebook(course / "notebooks" / "predict.ipynb", [
+        'import labkit\np = labkit.predict("bytes all-reduced per step", unit="MB")',
+        'graded = p.grade(1.23, why="every gradient, once per step")',
+    ])
+    nb = open_notebook("notebooks/predict.ipynb")
+    ask = nb.run("p = labkit.predict(")
+    box = ask.locator(".labkit-predict-guess input")
+    box.wait_for()
+    assert "Predict · bytes all-reduced per step" in nb.text(ask), nb.text(ask)
+    assert "no guess yet" not in nb.text(ask), "the text fallback is shown instead of the widget"
+    nb.shot("the question, as a box", at=ask)
+    box.click()
+    box.press_sequentially("1.2")
+    wait_for("the note to repeat the guess", lambda: "your guess: 1.2 MB" in nb.text(ask), 30)
+    nb.shot("a guess typed", at=ask)
+    graded = nb.run("graded = p.grade(")
+    nb.shot("the grade", at=graded)
+    assert nb.text(graded).strip() == ("bytes all-reduced per step: you said 1.2 MB, measured 1.23 MB: "
+                                       "within 3%. every gradient, once per step"), nb.text(graded)
+
+
+def test_the_planners_slider_moved_and_its_table_changed(open_notebook, course):
+    """The planner's world-size slider, moved with the keyboard as a learner may: the table and
+    the chart below it are drawn again for the new size."""
+    write_notebook(course / "notebooks" / "planner.ipynb", [
+        "import labkit\nplanner = labkit.planner(dim=256, depth=4, in_features=256, world_size=2)"])
+    nb = open_notebook("notebooks/planner.ipynb")
+    cell = nb.run("planner = labkit.planner(")
+    table = cell.locator(".labkit-planner-table")
+    table.wait_for()
+    before, chart = table.inner_text(), cell.locator(".labkit-planner img").get_attribute("src")
+    assert "2 ranks" in before and "ZeRO-3" in before and "FSDP x TP" in before, before
+    nb.shot("the planner, 2 ranks", at=cell)
+    handle = cell.locator(".labkit-planner-world-size .noUi-handle")
+    handle.focus()
+    for _ in range(2):
+        handle.press("ArrowRight")
+    wait_for("the table for 4 ranks", lambda: "4 ranks" in table.inner_text(), 30)
+    after = table.inner_text()
+    nb.shot("the planner, 4 ranks", at=cell)
+    assert after != before
+    assert cell.locator(".labkit-planner img").get_attribute("src") != chart, "the chart was not redrawn"
+    zero3 = [line for line in after.splitlines() if line.startswith("ZeRO-3")]
+    assert zero3 and "25%" in zero3[0], after      # a quarter of one process's memory on 4 ranks
+
+
+# A script that says how many steps it will take (metrics.log(0, total_steps=...)), so that the
+# live view can say how long is left.
+ETA_SCRIPT = """\
+import time
+
+from labkit import metrics
+
+STEPS = 40
+metrics.log(0, total_steps=STEPS)
+for step in range(1, STEPS + 1):
+    time.sleep(0.3)
+    if step % 2 == 0:
+        metrics.log(step, loss=1.0 / step, samples=64)
+        print(f"step {step}")
+"""
+
+
+def test_the_live_view_shows_the_time_left(open_notebook, course):
+    """A launch whose script logs total_steps: while it runs, the live view says step k/40, the
+    samples/s and about how long is left; at the end the static chart stays, as always."""
+    (course / "notebooks" / "scripts" / "eta.py").write_text(ETA_SCRIPT)
+    write_notebook(course / "notebooks" / "eta.ipynb", [
+        'import labkit\nrun = labkit.launch("scripts/eta.py", nproc=2, device="cpu", name="eta")'])
+    nb = open_notebook("notebooks/eta.ipynb")
+    cell = nb.run("run = labkit.launch(", wait=False)
+    seen = watch(nb, cell, "eta")
+    assert_live_view(nb, cell, "eta", seen)
+    left = [line for line in seen["progress"] if re.search(r"step \d+/40 · [\d,]+ samples/s · about \d+ s left", line)]
+    print("\n".join(seen["progress"]))
+    assert left, f"no progress line said the time left: {seen['progress']}"
+    assert re.search(r"^✓ eta: 2 rank\(s\), ", nb.text(cell), re.M), nb.text(cell)
+

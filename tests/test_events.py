@@ -33,9 +33,17 @@ HANG = """
         dist.barrier()
     except RuntimeError:
         if int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0")) > 0:
+            import time
             from torch._C._distributed_c10d import _dump_fr_trace
-            with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as f:
+            prefix = os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+            with open(f"{prefix}{rank}.tmp", "wb") as f:  # whole, or not there at all
                 f.write(_dump_fr_trace())
+            os.replace(f"{prefix}{rank}.tmp", f"{prefix}{rank}")
+            # torchrun stops every rank once one has failed: wait for the others' dumps first
+            deadline = time.monotonic() + 20
+            dumps = [f"{prefix}{r}" for r in range(dist.get_world_size())]
+            while not all(map(os.path.exists, dumps)) and time.monotonic() < deadline:
+                time.sleep(0.05)
         raise
 """
 

@@ -18,6 +18,8 @@ class Clock:
     def monotonic(self) -> float:
         return self.now
 
+    time = monotonic   # the metrics lines below are stamped on the same clock
+
 
 class Handle:
     """Stands in for IPython's DisplayHandle: remembers every bundle shown, and when."""
@@ -90,14 +92,14 @@ def test_the_progress_line_shows_the_latest_step_s_loss_averaged_over_ranks(view
     log(live.run_dir, 1, 10, 1.1, loss=1.0)
     log(live.run_dir, 0, 20, 2.0, loss=0.5)
     live._read()
-    assert live._progress("running").endswith("step 20 · loss 0.5000")   # rank 1 not there yet
+    assert live._progress("ok").endswith("step 20 · loss 0.5000")   # rank 1 not there yet
     log(live.run_dir, 1, 20, 2.1, loss=0.25)
     log(live.run_dir, 1, 20, 2.2, test_acc=0.9)                           # no loss: not counted
     live._read()
     assert live._progress("ok").endswith("step 20 · loss 0.3750 (mean of 2 ranks)")
     log(live.run_dir, 0, 10, 3.0, restart=1, loss=3.0)                    # a restart resumed at 10
     live._read()
-    assert live._progress("running").endswith("step 10 · loss 3.0000")
+    assert live._progress("ok").endswith("step 10 · loss 3.0000")
 
 
 def test_finishing_without_a_loss_leaves_the_progress_line(view):
@@ -127,3 +129,104 @@ def test_outside_a_notebook_there_is_no_live_view(tmp_path, monkeypatch):
     assert not live.enabled
     live.update()
     live.finish("ok")  # nothing to show, nothing raised
+
+
+# -- progress: step of the total, samples/s, time left ------------------------------------------------
+def test_the_progress_says_step_of_total_samples_per_s_and_the_time_left(view):
+    live, clock, handle = view
+    clock.now = 1000.0
+    for rank in (0, 1):
+        log(live.run_dir, rank, 0, 1000.0, total_steps=100)
+    for step in (10, 20):                     # 10 steps in 5 s on each rank, 32 samples a step
+        for rank in (0, 1):
+            log(live.run_dir, rank, step, 1000.0 + step / 2, samples=320, loss=1.0)
+    clock.now = 1012.0                        # 2 s after the last line
+    live._read()
+    line = live._progress("running")
+    assert "step 20/100 · 128 samples/s · about 38 s left · loss" in line, line   # 80 steps at 2/s, less 2 s
+    assert "left" not in live._progress("ok") and "step 20/100 · 128 samples/s" in live._progress("ok")
+
+
+def test_without_a_total_the_progress_says_there_is_no_estimate(view):
+    live, clock, handle = view
+    log(live.run_dir, 0, 0, 1.0)
+    log(live.run_dir, 0, 10, 2.0, samples=40)
+    live._read()
+    assert "step 10 · 40 samples/s · no ETA (the script logs no total_steps)" in live._progress("running")
+
+
+@pytest.mark.parametrize("seconds, said", [(0.4, "0 s"), (59, "59 s"), (75, "1 min 15 s"), (3725, "1 h 2 min")])
+def test_durations_read_as_a_person_says_them(seconds, said):
+    assert _live.duration(seconds) == said
+
+
+def test_pace_follows_the_newest_restart_and_the_lowest_rank(view):
+    records = [{"rank": 0, "step": 0, "time": 0.0, "total_steps": 40},
+               {"rank": 0, "step": 20, "time": 10.0},
+               {"rank": 0, "step": 10, "time": 20.0, "restart": 1},      # resumed from 10
+               {"rank": 0, "step": 20, "time": 25.0, "restart": 1},
+               {"rank": 1, "step": 22, "time": 26.0, "restart": 1}]
+    assert _live.pace(records, 25.0) == {"step": 22, "total": 40, "samples_per_s": None, "eta_s": 10.0}
+
+
+def test_outside_a_notebook_a_progress_line_is_printed_now_and_then(tmp_path, monkeypatch, capsys):
+    clock = Clock()
+    monkeypatch.setattr(_live, "time", clock)
+    monkeypatch.setattr(_live, "in_notebook", lambda: False)
+    (tmp_path / "metrics").mkdir()
+    live = LiveView(tmp_path, "ddp-2", 2, enabled=True)
+    log(tmp_path, 0, 0, clock.now, total_steps=10)
+    live.update()
+    clock.now += 16
+    log(tmp_path, 0, 5, clock.now, samples=20)
+    live.update()
+    live.update()
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("ddp-2: running · 16 s · 2 rank(s) · step 5/10 · 1 samples/s"), out
+    assert LiveView(tmp_path, "quiet", 2, enabled=False).text is False
+
+
+def test_a_sweep_says_run_k_of_n_and_the_time_left_at_the_pace_so_far(monkeypatch):
+    from labkit._launch import sweep as _sweep
+
+    clock, shown = Clock(), []
+    monkeypatch.setattr(_sweep, "time", clock)
+    monkeypatch.setattr(_sweep, "in_notebook", lambda: True)
+    import IPython.display
+
+    class Shown:
+        def update(self, bundle, raw=False):
+            shown.append(bundle["text/plain"])
+
+    monkeypatch.setattr(IPython.display, "display", lambda bundle, raw=False, display_id=False: Shown())
+    progress = _sweep._Progress("ddp", 4)
+    progress.show("run 1/4 (nproc=1, repeat 1)")
+    clock.now += 30
+    progress.done()
+    progress.show("run 2/4 (nproc=2, repeat 1)")
+    assert shown == ["sweep ddp: run 1/4 (nproc=1, repeat 1)",
+                     "sweep ddp: run 2/4 (nproc=2, repeat 1) · about 1 min 30 s left"]
+    for _ in range(3):
+        progress.done()
+    assert progress.left() == ""
+
+
+def test_the_stop_button_sends_the_toolbars_interrupt_for_this_kernel():
+    from labkit._launch.stop import kernel_id, stop_button
+
+    assert kernel_id() is None and stop_button(None) == ""      # no kernel the server started: no button
+    button = stop_button("0f6c2a44-1b7e-4c5d-9a3e-2f1d0c9b8a77")
+    assert button.startswith("<button class='labkit-stop' onclick=\"") and "&#9632; Stop</button>" in button
+    assert "api/kernels/0f6c2a44-1b7e-4c5d-9a3e-2f1d0c9b8a77/interrupt" in button
+    assert '"' not in button.split('onclick="')[1].split('" title=')[0], "the script would end the attribute"
+
+
+def test_the_live_frames_carry_the_stop_button(view, monkeypatch):
+    live, clock, handle = view
+    live._stop = "<button class='labkit-stop'>&#9632; Stop</button>"
+    log(live.run_dir, 0, 0, clock.now, loss=1.0)
+    clock.now += 3
+    live.update()
+    assert "<button class='labkit-stop'>" in handle.shown[-1][1]["text/html"]
+    live.finish("ok")
+    assert "text/html" not in handle.shown[-1][1], "the saved notebook keeps the chart, not the button"

@@ -6,8 +6,10 @@ writes it to ``TORCH_FR_DUMP_TEMP_FILE<rank>`` by itself when a collective times
 (``TORCH_NCCL_DUMP_ON_TIMEOUT=1``); on gloo a script dumps it itself when a collective fails::
 
     from torch._C._distributed_c10d import _dump_fr_trace   # no public name for it yet
-    with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as f:
-        f.write(_dump_fr_trace())
+    path = os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank)
+    with open(path + ".tmp", "wb") as f:        # another name until it is whole: torchrun
+        f.write(_dump_fr_trace())               # stops the other ranks once one has failed
+    os.replace(path + ".tmp", path)
 
 labkit.launch points ``TORCH_FR_DUMP_TEMP_FILE`` into the run folder (unless you set it), so
 the dumps stay with the run, and ``labkit.flight_records(run)`` reads them into a table.
@@ -27,20 +29,69 @@ from labkit import _rundir
 _TORCH_PARTS = (f"{os.sep}torch{os.sep}", f"{os.sep}labkit{os.sep}", "<frozen ")
 
 
+class _Refused(pickle.UnpicklingError):
+    """A dump that would build an object: never loaded."""
+
+
 class _PlainUnpickler(pickle.Unpickler):
     """Loads dicts, lists, tuples, strings and numbers; refuses every class and function."""
 
     def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"a flight record holds plain data only; refused {module}.{name}")
+        raise _Refused(f"a flight record holds plain data only; refused {module}.{name}")
+
+
+class TornDump(ValueError):
+    """A rank's dump that is empty or cut short: the rank was stopped while writing it."""
 
 
 def read_dump(path: str | os.PathLike) -> dict:
-    """One rank's flight-recorder dump (``_dump_fr_trace``'s bytes), as plain Python data."""
+    """One rank's flight-recorder dump (``_dump_fr_trace``'s bytes), as plain Python data.
+
+    Raises:
+        TornDump: the file is empty or cut short (a rank stopped mid-write), with the reason.
+        pickle.UnpicklingError: the file would build an object; it is refused, not loaded.
+        ValueError: it is whole but not a flight-recorder dump.
+    """
+    size = os.path.getsize(path)
+    if size == 0:
+        raise TornDump("its dump is empty: the rank was stopped before it wrote a byte (write "
+                       "it under a temporary name, then rename it)")
     with open(path, "rb") as f:
-        data = _PlainUnpickler(f).load()
+        try:
+            data = _PlainUnpickler(f).load()
+        except _Refused:
+            raise
+        except (EOFError, pickle.UnpicklingError) as err:
+            raise TornDump(f"its dump is cut short at {size} bytes ({err}): the rank was stopped "
+                           f"while writing it (write it under a temporary name, then rename it)") from None
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise ValueError(f"{path} is not a flight-recorder dump (no 'entries' list)")
     return data
+
+
+def _expected_ranks(folder: Path) -> list[int]:
+    """The ranks of the run (from run.json's world_size); [] when the folder does not say."""
+    try:
+        size = _rundir.read_info(folder, _rundir.RUN_INFO, kind="run", hint="").get("world_size")
+    except Exception:  # noqa: BLE001 - a bare folder of dumps: no world size to expect
+        return []
+    return list(range(size)) if isinstance(size, int) else []
+
+
+def _readable(folder: Path) -> tuple[dict[int, dict], dict[int, str]]:
+    """({rank: its dump}, {rank: why it has none}) over the run's ranks and the dumps found."""
+    files = _rundir.flight_files(folder)
+    dumps, missing = {}, {}
+    for rank in sorted(set(files) | set(_expected_ranks(folder))):
+        if rank not in files:
+            missing[rank] = ("no dump: it was stopped before it wrote one, or it never reached "
+                             "the code that dumps")
+            continue
+        try:
+            dumps[rank] = read_dump(files[rank])
+        except TornDump as err:
+            missing[rank] = str(err)
+    return dumps, missing
 
 
 def _caller(frames) -> str:
@@ -65,9 +116,14 @@ def flight_records(run_or_folder):
         ``all_reduce``), ``group`` (the process group's name), ``where`` (the script's line that
         called it, e.g. ``10_hang.py:31``), ``sizes`` (the input tensors' shapes).
 
+        A rank without a readable dump (none written, or one left empty or cut short by a rank
+        stopped mid-write) is named on a printed line with its reason; ``table.attrs["missing"]``
+        holds them: {rank: reason}.
+
     Raises:
-        FileNotFoundError: the run left no dump (was ``TORCH_FR_BUFFER_SIZE`` set, and did the
-            script dump it?).
+        FileNotFoundError: no rank left a readable dump (each rank's reason is said; was
+            ``TORCH_FR_BUFFER_SIZE`` set, and did the script dump it?).
+        pickle.UnpicklingError: a dump would build an object (refused: dumps are plain data).
 
     Example (lesson 10)::
 
@@ -77,22 +133,29 @@ def flight_records(run_or_folder):
     import pandas as pd
 
     folder = Path(getattr(run_or_folder, "run_dir", run_or_folder))
-    files = _rundir.flight_files(folder)
-    if not files:
+    dumps, missing = _readable(folder)
+    if not dumps:
+        why = "".join(f"; rank {rank}: {reason}" for rank, reason in missing.items())
         raise FileNotFoundError(
-            f"no flight-recorder dump in {folder}. HINT: launch with env={{'TORCH_FR_BUFFER_SIZE': "
-            f"'64'}} and have the script write _dump_fr_trace() to "
-            f"TORCH_FR_DUMP_TEMP_FILE + rank when a collective fails.")
-    rows = []
-    for rank, path in files.items():
-        for entry in read_dump(path)["entries"]:
-            group = entry.get("process_group") or ("", "")
-            rows.append({
-                "rank": rank,
-                "seq": entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id"),
-                "op": str(entry.get("profiling_name", "")).split(":", 1)[-1],
-                "group": group[1] if len(group) > 1 else str(group[0]),
-                "where": _caller(entry.get("frames")),
-                "sizes": entry.get("input_sizes"),
-            })
-    return pd.DataFrame(rows, columns=["rank", "seq", "op", "group", "where", "sizes"])
+            f"no flight-recorder dump in {folder}{why}. HINT: launch with "
+            f"env={{'TORCH_FR_BUFFER_SIZE': '64'}} and have the script write _dump_fr_trace() to "
+            f"TORCH_FR_DUMP_TEMP_FILE + rank (a temporary name, then os.replace) when a "
+            f"collective fails.")
+    for rank, reason in missing.items():
+        print(f"rank {rank}: {reason}")
+    rows = [_row(rank, entry) for rank, dump in dumps.items() for entry in dump["entries"]]
+    table = pd.DataFrame(rows, columns=["rank", "seq", "op", "group", "where", "sizes"])
+    table.attrs["missing"] = missing
+    return table
+
+
+def _row(rank: int, entry: dict) -> dict:
+    group = entry.get("process_group") or ("", "")
+    return {
+        "rank": rank,
+        "seq": entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id"),
+        "op": str(entry.get("profiling_name", "")).split(":", 1)[-1],
+        "group": group[1] if len(group) > 1 else str(group[0]),
+        "where": _caller(entry.get("frames")),
+        "sizes": entry.get("input_sizes"),
+    }

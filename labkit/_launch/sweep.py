@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from pathlib import Path
 
 from labkit import _hardware, _rundir
@@ -16,7 +17,7 @@ from labkit._launch.command import safe_name
 from labkit._launch.launch import launch
 from labkit._launch.keywords import refuse_keywords, renamed
 from labkit._launch.plan import check_nnodes, check_nproc, plan, resolve_device
-from labkit._launch.live import in_notebook
+from labkit._launch.live import duration, in_notebook
 from labkit._results.run import Run, new_folder
 
 
@@ -177,7 +178,9 @@ def sweep(script, *, nproc, repeats=3, args=(), device="auto", threads_per_rank=
             result.runs.append(run)
             result.info["runs"].append(run.run_dir.name)
             result._save_info(sweep_dir)
-            print(f"nproc={n} repeat {repeat + 1}/{repeats}: {_speed(run)} ({run.wall_s:.1f} s)")
+            progress.done()
+            print(f"nproc={n} repeat {repeat + 1}/{repeats}: {_speed(run)} ({run.wall_s:.1f} s)"
+                  f" · run {len(result.runs)}/{progress.total}{progress.left()}")
     progress.show(f"{progress.total} runs done — {sweep_dir}")
     return result
 
@@ -208,14 +211,26 @@ def _speed(run: Run) -> str:
 
 
 class _Progress:
-    """One line in the notebook that says which run of the sweep is going (nothing elsewhere)."""
+    """One line in the notebook that says which run of the sweep is going, and about how long the
+    rest will take at the pace of the runs so far (nothing elsewhere: each run prints a line)."""
 
     def __init__(self, name: str, total: int):
         self.name, self.total, self.handle = name, total, None
+        self.started, self.finished = time.monotonic(), 0
         if in_notebook():
             from IPython.display import display
             self.handle = display({"text/plain": f"sweep {name}: starting"}, raw=True, display_id=True)
 
+    def done(self) -> None:
+        self.finished += 1
+
+    def left(self) -> str:
+        """" · about 2 min left" from the mean time of the runs finished so far ("" before one)."""
+        if not self.finished or self.finished >= self.total:
+            return ""
+        each = (time.monotonic() - self.started) / self.finished
+        return f" · about {duration(each * (self.total - self.finished))} left"
+
     def show(self, text: str) -> None:
         if self.handle is not None:
-            self.handle.update({"text/plain": f"sweep {self.name}: {text}"}, raw=True)
+            self.handle.update({"text/plain": f"sweep {self.name}: {text}{self.left()}"}, raw=True)

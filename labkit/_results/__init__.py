@@ -12,7 +12,13 @@ Owns:
               scaling against both baselines (lesson 08)
     strategies ``prove_same``, ``measured_cost``, ``held_shards``, ...: a strategy's run proved
               against one process; what each rank held and sent (lessons 11, 12)
-    costs     ``expected_cost``: what each strategy should hold and send, from the model's shapes
+    shapes    ``Shapes``: a model's parameters as the cost arithmetic sees them (from a module,
+              from MLPStack's arguments, or a bare count), without torch
+    costs     ``per_rank``, ``expected_cost``: what each strategy holds and sends per rank, the one
+              arithmetic of it (lessons 06, 11-13, the planner; ``labkit.comm`` and ``zero`` use
+              it; standard library only)
+    zero      ``zero_bytes``, ``zero_traffic``, ``zero_table``: ZeRO's table, what each stage holds
+              and sends per rank (lesson 13)
     pipeline  ``schedule_order``, ``replay_schedule``, ``plot_schedule``, ...: pipeline schedules
               written out, replayed and read back from a run (lesson 12)
 
