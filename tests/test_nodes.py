@@ -232,8 +232,8 @@ def test_a_rank_that_raises_on_the_second_node_is_named_and_nothing_waits_for_it
 @pytest.mark.launch
 def test_a_hang_across_nodes_becomes_a_timeout(workdir, write_script):
     write_script("sleeper.py", SLEEPER)
-    with pytest.raises(LaunchTimeout) as info:
-        labkit.launch("sleeper.py", nproc=1, nnodes=2, device="cpu", timeout_s=30)
+    with pytest.raises(LaunchTimeout) as info:  # 20 s: time for both nodes' ranks to start when busy
+        labkit.launch("sleeper.py", nproc=1, nnodes=2, device="cpu", timeout_s=20)
     err = info.value
     assert err.last_steps == {0: 0, 1: 1}
     assert err.stacks[0].startswith("sleeper.py:6 in <module>")
