@@ -69,6 +69,12 @@ _LAZY = {
     "loss_by_step": "labkit._results.compare",
     "loss_by_epoch": "labkit._results.compare",
     "compare_losses": "labkit._results.compare",
+    "logged": "labkit._results.logged",            # lessons 02-06: what a run logged, by rank and step
+    "steps_per_epoch": "labkit._results.logged",
+    "late_loss": "labkit._results.logged",
+    "bn_allreduces_per_step": "labkit._results.logged",
+    "ddp_allreduces_per_step": "labkit._results.logged",
+    "step_s": "labkit._results.logged",
     "LossComparison": "labkit._results.compare",
     "plot_loss": "labkit._results.plots",
     "plot_metric": "labkit._results.plots",

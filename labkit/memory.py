@@ -144,7 +144,9 @@ class SavedTensorMeter:
     Each storage is counted once, whole: a view saved by one op and its base
     saved by another, or one tensor saved by three ops, hold one block of
     memory, and that is what is counted. Storages of ``exclude`` (the model's
-    parameters and buffers, which exist anyway) are left out. A storage freed
+    parameters and buffers, which exist anyway) are left out; when ``exclude`` is a module, so
+    is every ``nn.Parameter`` saved, such as the whole weights FSDP2 gathers into new parameters
+    for the forward pass (lesson 06). A storage freed
     and its address reused within the block counts again, as the new storage it is.
 
     Nested hooks: only the innermost pair applies (PyTorch's rule). Inside a
@@ -177,6 +179,7 @@ class SavedTensorMeter:
     """
 
     def __init__(self, *, exclude=(), modules: dict | None = None):
+        self._parameters_too = isinstance(exclude, torch.nn.Module)  # FSDP2's gathered weights are parameters
         if isinstance(exclude, torch.nn.Module):
             exclude = [*exclude.parameters(), *exclude.buffers()]
         elif isinstance(exclude, torch.Tensor):
@@ -209,10 +212,15 @@ class SavedTensorMeter:
             return ("id", id(local)), local.numel() * local.element_size()
         return (str(local.device), storage.data_ptr()), storage.nbytes()
 
+    @staticmethod
+    def _is_parameter(t: torch.Tensor) -> bool:
+        """A parameter, or a view of one (a linear layer saves its weight transposed)."""
+        return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
     def _pack(self, t: torch.Tensor):
         self.packed += 1
         key, nbytes = self._key(t)
-        if key in self._exclude:
+        if key in self._exclude or self._parameters_too and self._is_parameter(t):
             return t
         entry = self._storages.get(key)
         if entry is not None and not any(ref() is not None for ref in entry[2]):

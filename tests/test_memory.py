@@ -103,6 +103,21 @@ def test_meter_excludes_parameters_and_buffers():
     out.backward()
 
 
+def test_meter_given_a_module_excludes_parameters_made_after_it_started():
+    """FSDP2 gathers a sharded weight into a new nn.Parameter for the forward pass: a weight,
+    not an activation, though the meter never saw it among the module's parameters."""
+    model = nn.Linear(10, 5)
+    inputs = torch.randn(8, 10, requires_grad=True)
+    with memory.SavedTensorMeter(exclude=model) as meter:
+        model.weight = nn.Parameter(torch.randn(5, 10))   # swapped in, as FSDP2 does, after the start
+        out = model(inputs).sum()
+    assert meter.bytes == 320
+    with memory.SavedTensorMeter(exclude=[model.bias]) as tensors_only:   # given tensors, not a module
+        model(inputs).sum()
+    assert tensors_only.bytes == 320 + 200
+    out.backward()
+
+
 def test_held_bytes_drop_to_zero_after_backward():
     x = torch.randn(1000, requires_grad=True)
     with memory.SavedTensorMeter() as meter:

@@ -21,6 +21,7 @@ parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--epochs", type=int, default=5)
 parser.add_argument("--batch-size", type=int, default=128, help="per rank and micro-step")
 parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+parser.add_argument("--clip-norm", type=float, default=None, help="clip the gradient's norm, once per optimizer step")
 parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--width", type=int, default=32, help="channels of the first block")
 parser.add_argument("--norm", choices=["batch", "group"], default="batch",
@@ -97,6 +98,7 @@ def evaluate() -> float:
 step = 0
 window_loss = torch.zeros((), device=device)  # summed on the device: no sync per step
 step_loss = torch.zeros((), device=device)  # the loss of the optimizer step in progress
+clipped = torch.zeros((), device=device)  # optimizer steps whose gradient the clip shortened, this window
 for epoch in range(args.epochs):
     sampler.set_epoch(epoch)  # without it, every epoch repeats the same order
     order = tuple(list(iter(sampler))[:16])  # this rank's first samples this epoch
@@ -117,16 +119,22 @@ for epoch in range(args.epochs):
         if not last:
             continue
         last_step_loss, step_loss = step_loss, torch.zeros_like(step_loss)
+        if args.clip_norm is not None:  # only now is the gradient whole: every micro-step, every rank
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
+            clipped += grad_norm > args.clip_norm
         optimizer.step()  # the gradients of all k micro-batches, all-reduced once
         optimizer.zero_grad(set_to_none=True)  # after the step: the next one starts from zero
         step += 1
         if step % args.log_every == 0:
             # .item() waits for the device to finish: a sync point, once per window,
             # so the time metrics.log stamps is when this window's work really ended.
+            clip = {} if args.clip_norm is None else {  # the last step's norm before its clip; steps clipped
+                "grad_norm": grad_norm.item(), "clipped": int(clipped.item())}
             metrics.log(step, loss=(window_loss / (args.log_every * args.accum_steps)).item(),
                         samples=args.log_every * args.accum_steps * args.batch_size, epoch=epoch,
-                        allreduces=counter.calls, allreduced_bytes=counter.bytes)  # this window's
+                        allreduces=counter.calls, allreduced_bytes=counter.bytes, **clip)  # this window's
             window_loss.zero_()
+            clipped.zero_()
             counter.reset()
     accuracy = evaluate()
     mean_loss = last_step_loss.clone()  # the epoch's last optimizer step: all k micro-batches

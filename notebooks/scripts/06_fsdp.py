@@ -39,6 +39,7 @@ parser.add_argument("--bf16", action="store_true", help="FSDP mixed precision: b
 parser.add_argument("--save-dcp", default=None, help="save a sharded checkpoint (a folder) at the end")
 parser.add_argument("--load-dcp", default=None, help="start from a sharded checkpoint, any world size")
 parser.add_argument("--naive-save", default=None, help="pitfall: rank 0 torch.saves model.state_dict()")
+parser.add_argument("--clip-norm", type=float, default=None, help="clip the gradient's norm to this")
 args = parser.parse_args()
 if args.bf16 and args.strategy != "fsdp":
     parser.error("--bf16 sets FSDP's mixed-precision policy; use it with --strategy fsdp")
@@ -162,6 +163,9 @@ for epoch in range(args.epochs):
         loss = F.cross_entropy(model(x), y)  # FSDP all-gathers each block's shards as it runs
         optimizer.zero_grad(set_to_none=True)  # frees the old gradients instead of writing zeros
         loss.backward()  # FSDP reduce-scatters gradients: each rank keeps only its shard's
+        if args.clip_norm is not None:  # FSDP: the norm of DTensor gradients, all ranks' shards together
+            mine = torch.linalg.vector_norm(torch.stack([memory.local_tensor(p.grad).norm() for p in model.parameters()]))
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_norm)
         optimizer.step()  # each rank updates its own shard (and its own optimizer state)
         window_loss += loss.detach()
         step += 1
@@ -172,8 +176,11 @@ for epoch in range(args.epochs):
         if step % args.log_every == 0:
             # .item() waits for the device to finish: a sync point, once per window,
             # so the time metrics.log stamps is when this window's work really ended.
+            clip = {} if args.clip_norm is None else {  # the norm the clip saw, and this rank's shards' alone
+                "grad_norm": (grad_norm.full_tensor() if fsdp else grad_norm).item(),
+                "shard_norm": mine.item()}
             metrics.log(step, loss=(window_loss / args.log_every).item(),
-                        samples=args.log_every * args.batch_size, epoch=epoch)
+                        samples=args.log_every * args.batch_size, epoch=epoch, **clip)
             window_loss.zero_()
     accuracy = evaluate()
     mean_loss = loss.detach().clone()

@@ -1,4 +1,4 @@
-"""Exercise 01-loop: each common mistake gets the message that names it (real 2-rank launches)."""
+"""Exercise 01-loop: each common mistake gets the message that names it (real launches on 2 ranks, or LABKIT_RANKS)."""
 
 from __future__ import annotations
 

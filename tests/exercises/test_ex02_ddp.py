@@ -1,4 +1,4 @@
-"""Exercise 02-ddp: each common mistake gets the message that names it (real 2-rank launches)."""
+"""Exercise 02-ddp: each common mistake gets the message that names it (real launches on 2 ranks, or LABKIT_RANKS)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ NOTEBOOK = "02_ddp.ipynb"
 MISTAKES = {
     "no-sampler-in-loader": Mistake("batch_size=args.batch_size, sampler=sampler, drop_last=True",
                                     "batch_size=args.batch_size, shuffle=True, drop_last=True",
-                                    "rank 1 saw the same samples as rank 0: is the DistributedSampler in place",
+                                    "saw the same samples as rank 0: is the DistributedSampler in place",
                                     hint=2),
     "no-set-epoch": Mistake("    sampler.set_epoch(epoch)\n", "    pass\n", "sampler.set_epoch(epoch)", hint=2),
     "no-ddp-wrap": Mistake('model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)\n', "",

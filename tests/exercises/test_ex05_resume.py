@@ -1,4 +1,4 @@
-"""Exercise 05-resume: each common mistake gets the message that names it (real 2-rank launches,
+"""Exercise 05-resume: each common mistake gets the message that names it (real launches on 2 ranks, or LABKIT_RANKS,
 two per check: once whole, once with a crash)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Exercise 06-fsdp: each common mistake gets the message that names it (real 2-rank launches), and
+"""Exercise 06-fsdp: each common mistake gets the message that names it (real launches on 2 ranks, or LABKIT_RANKS), and
 the check's byte model is what FSDP really holds."""
 
 from __future__ import annotations

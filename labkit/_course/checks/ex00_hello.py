@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from labkit import _hardware
 from labkit._course.checks._common import _last, _metrics
 from labkit._course.attempt import launched
 from labkit._course.feedback import Feedback, check
@@ -17,7 +18,7 @@ HINTS = [
     "rank. rank_sum = value.item().",
 ]
 
-#: Three ranks, so that a number written for two shows up.
+#: Three ranks at least, so that a number written for two shows up (LABKIT_RANKS, when it asks for more).
 NPROC = 3
 #: A script with no collective (the all_reduce forgotten) may leave while a peer is still connecting
 #: to it inside init_process_group, and gloo then fails that peer ("Connection closed by peer"):
@@ -29,13 +30,15 @@ ENV = {"TORCH_DIST_INIT_BARRIER": "1"}
 def check_hello(target="scripts/ex00_hello.py", *, timeout_s: float = 180) -> Feedback:
     """Exercise 00-hello: every rank knows its rank and the world size, and holds the sum of the ranks.
 
-    Launches on 3 CPU ranks, so that a number written for 2 ranks shows up.
+    Launches on 3 CPU ranks, so that a number written for 2 ranks shows up (on ``LABKIT_RANKS``
+    when it asks for more: ``make test-scale`` runs it on 4).
 
     Example (exercises/00_setup.ipynb)::
 
         labkit.check_hello("scripts/ex00_hello.py")
     """
-    feedback, run = launched(EXERCISE, target, nproc=NPROC, device="cpu", env=ENV, timeout_s=timeout_s,
+    nproc = max(NPROC, _hardware.cpu_ranks())
+    feedback, run = launched(EXERCISE, target, nproc=nproc, device="cpu", env=ENV, timeout_s=timeout_s,
                              name="check-00-hello")
     df = _metrics(feedback, run, ["my_rank", "my_world_size", "rank_sum"])
     _who_is_who(feedback, run.nproc, _last(df, "my_rank"), _last(df, "my_world_size"))

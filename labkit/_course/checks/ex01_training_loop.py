@@ -1,12 +1,13 @@
 """Exercise 01-loop: a correct training loop, an honest logging window, and a learning-rate search.
 
-Two CPU ranks that share no gradients: each trains with its own learning rate from ``--lrs``,
-and at the end one collective tells every rank which rate won. The check reads the script's
-settings from what its skeleton logs at step 0.
+CPU ranks that share no gradients (2, or ``LABKIT_RANKS``): each trains with its own learning
+rate from ``--lrs``, and at the end one collective tells every rank which rate won. The check
+reads the script's settings from what its skeleton logs at step 0.
 """
 
 from __future__ import annotations
 
+from labkit import _hardware
 from labkit._course.checks._common import _config, _last, _metrics
 from labkit._course.attempt import launched
 from labkit._course.feedback import Feedback, check
@@ -26,18 +27,32 @@ HINTS = [
 
 #: The settings the skeleton logs at step 0 (its argparse defaults, unless the check passes others).
 SETTINGS = ["lrs", "epochs", "batch_size", "log_every", "train_size"]
+#: The rates the skeleton's default --lrs spans; with more than 2 ranks the check passes one per rank
+#: between them (spaced evenly on a log scale), so that the largest still trains the loss down.
+RATES = (0.01, 0.05)
+
+
+def _lrs_for(world: int) -> list[str]:
+    """Script arguments giving ``world`` ranks a rate each: none for 2 (the skeleton's default)."""
+    if world == 2:
+        return []
+    low, high = RATES
+    return ["--lrs", *(f"{low * (high / low) ** (i / (world - 1)):.4g}" for i in range(world))]
 
 
 @check
 def check_training_loop(target="scripts/ex01_loop.py", *, timeout_s: float = 300) -> Feedback:
     """Exercise 01-loop: a correct training step, evaluation that changes nothing, honest
-    logging windows, and every rank agreeing on the best learning rate (2 CPU ranks).
+    logging windows, and every rank agreeing on the best learning rate (2 CPU ranks, or
+    ``LABKIT_RANKS``, each with a rate of its own).
 
     Example (exercises/01_single_device.ipynb)::
 
         labkit.check_training_loop("scripts/ex01_loop.py")
     """
-    feedback, run = launched(EXERCISE, target, nproc=2, device="cpu", timeout_s=timeout_s, name="check-01-loop")
+    world = max(2, _hardware.cpu_ranks())
+    feedback, run = launched(EXERCISE, target, nproc=world, device="cpu", args=_lrs_for(world), timeout_s=timeout_s,
+                             name="check-01-loop")
     df = _metrics(feedback, run, ["lr", "test_acc", "best_lr", *SETTINGS])
     setting = _config(df, SETTINGS)
     rates = [float(lr) for lr in str(setting["lrs"]).split()]

@@ -40,8 +40,8 @@ def check_ddp(target="scripts/ex02_ddp.py", *, timeout_s: float = 300) -> Feedba
     """Exercise 02-ddp: each rank its own share of the data, a new order each epoch, weights
     kept equal by DDP, one test accuracy for all, and rank 0 alone printing.
 
-    Launches the script on 2 ranks (every GPU, if there are two or more) and reads what they
-    logged and printed.
+    Launches the script on 2 ranks, or ``LABKIT_RANKS`` (every GPU, if there are two or more),
+    and reads what they logged and printed.
 
     Args:
         target: the exercise's script, or a finished Run of it.
@@ -77,8 +77,10 @@ def _each_rank_its_share(feedback: Feedback, df, setting: dict, world: int) -> N
     starts = df.dropna(subset=["first_batch"]).pivot_table(
         index="epoch", columns="rank", values="first_batch", aggfunc="first")
     shared = (starts.nunique(axis=1) < starts.shape[1]).any()
+    like_0 = [r for r in starts.columns if r != 0 and (starts[r] == starts[0]).any()]
     feedback.expect(not shared, "each rank starts every epoch with samples of its own",
-                    "rank 1 saw the same samples as rank 0: is the DistributedSampler in place, "
+                    f"{_on(like_0, world) if like_0 else 'two ranks'} saw the same samples as "
+                    f"{'rank 0' if like_0 else 'each other'}: is the DistributedSampler in place, "
                     "and passed to the DataLoader as sampler=?", hint=2)
     epoch_steps = df.dropna(subset=["first_batch"]).groupby("epoch")["step"].first()
     if len(epoch_steps) > 1:

@@ -188,8 +188,8 @@ def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout_s: float = 180) -> 
     """Exercise 03-syncbn: a synchronised BatchNorm built from one differentiable all-reduce computes
     what ``nn.BatchNorm2d`` computes on the whole global batch, in forward and backward.
 
-    Launches the script on 2 ranks (every GPU, if there are two or more), which hold different
-    numbers of samples on purpose. The script saves what its layer computed at each step; the
+    Launches the script on 2 ranks, or ``LABKIT_RANKS`` (every GPU, if there are two or more),
+    which hold different numbers of samples on purpose. The script saves what its layer computed at each step; the
     check draws the same seeded data itself, runs ``nn.BatchNorm2d`` (float64) on every rank's
     samples together, and compares: the outputs, the input gradients, the weight and bias
     gradients added over the ranks, and the running statistics. A mismatch is named by the

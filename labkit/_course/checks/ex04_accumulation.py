@@ -124,8 +124,8 @@ def check_accumulation(target="scripts/ex04_accumulation.py", *, timeout_s: floa
     """Exercise 04-accumulation: k micro-steps under DDP make one optimizer step whose gradient is
     that of one batch k × world size times larger, with one all-reduce of the gradients per step.
 
-    Launches the script on 2 ranks (every GPU, if there are two or more). A hook in the skeleton
-    records the gradient each ``optimizer.step()`` call uses; a DDP communication hook counts the
+    Launches the script on 2 ranks, or ``LABKIT_RANKS`` (every GPU, if there are two or more).
+    A hook in the skeleton records the gradient each ``optimizer.step()`` call uses; a DDP communication hook counts the
     bytes all-reduced. The check builds the same model and draws the same seeded data itself,
     takes each optimizer step on one big batch (every rank's k micro-batches together) in one
     process, and compares: the calls to ``optimizer.step()``, the all-reduced bytes against the

@@ -198,8 +198,8 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout_s: float = 300,
     """Exercise 05-resume: a checkpoint with the whole training state, and a resume after a
     crash that ends bit-identical (on CPU) to a run that was never interrupted.
 
-    Launches the script twice on 2 ranks (every GPU, if there are two or more), each time with
-    a fresh checkpoint folder under ``ckpt_dir``: first from start to finish, then with the last
+    Launches the script twice on 2 ranks, or ``LABKIT_RANKS`` (every GPU, if there are two or
+    more), each time with a fresh checkpoint folder under ``ckpt_dir``: first from start to finish, then with the last
     rank crashing at step 14 and ``max_restarts=1``. Compares what each rank logged right after
     resuming with what it logged when the checkpoint was saved, piece by piece; then every
     step's loss, and the final checkpoints of both runs.

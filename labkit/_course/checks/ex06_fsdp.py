@@ -113,7 +113,7 @@ class _Logged:
 def check_fsdp(target="scripts/ex06_fsdp.py", *, timeout_s: float = 300) -> Feedback:
     """Exercise 06-fsdp: every block and the root are FSDP units, at most the root and one block
     are whole at once, and each rank's bytes after the first step are predicted exactly and
-    measured exactly (2 ranks; every GPU, if there are two or more).
+    measured exactly (2 ranks, or ``LABKIT_RANKS``; every GPU, if there are two or more).
 
     The truth it compares with is worked out here from the model's shapes, the world size and
     the units the script logged (FSDP2 splits dim 0 as torch.chunk does; AdamW adds two moments
