@@ -111,7 +111,7 @@ settings = {f"buckets of {cap:g} MB": make({"bucket_cap_mb": cap})
 settings["gradient_as_bucket_view"] = make({"gradient_as_bucket_view": True})
 settings["static_graph"] = make({"static_graph": True})
 bench(settings)
-first = None
+first, layouts = None, {}  # the first setting's weights; the first setting of each bucket layout
 for name, setting in settings.items():
     model = setting["model"]
     stats = model._get_ddp_logging_data()  # what DDP measured and decided (sampled steps)
@@ -119,11 +119,16 @@ for name, setting in settings.items():
              for p in model.parameters()}  # each distinct block of gradient memory, once
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     first = weights if first is None else first
-    metrics.log(0, setting=name, buckets=len(str(stats["rebuilt_bucket_sizes"]).split(",")),
-                bucket_bytes=sum(map(int, str(stats["rebuilt_bucket_sizes"]).split(","))),
+    sizes = str(stats["rebuilt_bucket_sizes"])  # the bytes of each bucket
+    # the gradients each bucket holds, in order (where each sits in its bucket's sum); a static
+    # graph settles its buckets on a schedule of its own (its first step waits for backward's end)
+    layout = (stats["rebuilt_per_bucket_param_indices"], model.static_graph)
+    twin, twin_weights = layouts.setdefault(layout, (name, weights))
+    metrics.log(0, setting=name, buckets=len(sizes.split(",")), bucket_bytes=sum(map(int, sizes.split(","))),
                 overlap_ms=stats.get("avg_backward_compute_comm_overlap_time", 0) / 1e6,
                 grad_blocks=len(grads), grad_bytes=sum(grads.values()),
-                gap_to_first=(weights - first).abs().max())  # the same maths: 0
+                gap_to_first=(weights - first).abs().max(),  # the same maths
+                same_buckets_as=twin, gap_to_same=(weights - twin_weights).abs().max())  # same sums
 for i, name in enumerate(settings):  # each bucket size's steps, as the profiler sees them
     if name.startswith("buckets"):
         save_trace(settings[name], f"buckets{i}")

@@ -43,7 +43,6 @@ parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp
 parser.add_argument("--compile", default=None, metavar="BACKEND",
                     help="torch.compile the model with this backend (inductor, aot_eager)")
 parser.add_argument("--data-delay-ms", type=float, default=0, help="a slow read: ms per image")
-parser.add_argument("--no-pin-memory", action="store_true", help="GPUs: copy from pageable memory")
 args = parser.parse_args()
 if args.precision == "fp16" and not torch.cuda.is_available():
     parser.error("--precision fp16 needs a GPU: on a CPU, float16 is slow; use bf16")
@@ -94,7 +93,7 @@ sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuf
                              seed=args.seed, drop_last=True)
 # Pinned (page-locked) host memory lets the copy to the GPU run asynchronously;
 # worker processes prepare the next batches while this one trains.
-pin = device.type == "cuda" and not args.no_pin_memory
+pin = device.type == "cuda"
 train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True,
                           num_workers=args.workers, persistent_workers=args.workers > 0,
                           pin_memory=pin)
@@ -198,6 +197,18 @@ if args.compile:
     if master:
         for reason, count in counters["graph_break"].items():
             print(f"graph break (×{count}): {reason.splitlines()[0]}")
+if device.type == "cuda":  # section 3: 64 MiB of images to the GPU, from pageable and pinned memory
+    images = x.cpu().repeat(-(-2**24 // x.numel()), 1, 1, 1)  # the last batch, repeated
+    for kind, source in (("pageable", images), ("pinned", images.pin_memory())):
+        source.to(device, non_blocking=True)  # a first copy, not timed: the allocator's start-up
+        torch.cuda.synchronize()
+        copied = time.perf_counter()
+        copy = source.to(device, non_blocking=True)
+        held_s = time.perf_counter() - copied  # how long the call kept this process waiting
+        running = not torch.cuda.current_stream().query()  # was the copy still going on then?
+        torch.cuda.synchronize()
+        metrics.log(step, copy=kind, copy_gbps=source.nbytes / (time.perf_counter() - copied) / 1e9,
+                    copy_held_s=held_s, copy_running=running, copy_equal=torch.equal(copy.cpu(), images))
 if master:
     print(f"{step} steps in {time.perf_counter() - start:.1f} s; {args.precision}, "
           f"comm hook {args.comm_hook}, buckets of {args.bucket_cap_mb:g} MB")
