@@ -119,3 +119,23 @@ def test_lesson_11s_traffic_check_fails_on_a_plan_that_gathers_whole(workdir):
     assert "all_gather" in str(failed.value), failed.value
     assert labkit.last_step(run)["forward_all_gather"].eq(2).all()   # one per block: fc1's output, whole
 
+
+def _first_code_cell(stem: str) -> str:
+    cells = json.loads((ROOT / "notebooks" / f"{stem}.ipynb").read_text())["cells"]
+    return next("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+
+
+@pytest.mark.parametrize("smoke", ["1", "0"])
+@pytest.mark.parametrize("ranks", ["2", "3", "4", "8"])
+def test_lesson_12s_hatched_rows_are_lesson_11s_runs(monkeypatch, capsys, smoke, ranks):
+    """Lesson 12 draws DDP, FSDP and TP from the arithmetic lesson 11 checked against its runs: only
+    honest if both lessons choose the same sizes and ranks, in every mode and at every LABKIT_RANKS."""
+    monkeypatch.setenv("LABKIT_SMOKE", smoke)
+    monkeypatch.setenv("LABKIT_RANKS", ranks)
+    sizes = []
+    for stem in ("11_tensor_parallel", "12_pipeline_parallel"):
+        scope: dict = {}
+        exec(_first_code_cell(stem), scope)
+        sizes.append({k: scope[k] for k in ("DIM", "DEPTH", "BATCH", "RANKS", "ON_GPUS")})
+    assert sizes[0] == sizes[1]
+
