@@ -139,3 +139,19 @@ def test_lesson_12s_hatched_rows_are_lesson_11s_runs(monkeypatch, capsys, smoke,
         sizes.append({k: scope[k] for k in ("DIM", "DEPTH", "BATCH", "RANKS", "ON_GPUS")})
     assert sizes[0] == sizes[1]
 
+
+def _map(stem: str) -> list[str]:
+    """The rows of the strategy map (the markdown table whose header starts "| strategy | splits")."""
+    cells = json.loads((ROOT / "notebooks" / f"{stem}.ipynb").read_text())["cells"]
+    tables = [[line for line in "".join(c["source"]).splitlines() if line.startswith("|")]
+              for c in cells if c["cell_type"] == "markdown" and "| strategy | splits |" in "".join(c["source"])]
+    assert len(tables) == 1, (stem, len(tables))
+    return tables[0]
+
+
+def test_the_strategy_map_is_one_map():
+    """Lesson 14 shows lesson 12's map, row for row, with its own two rows in it: not a second table."""
+    rows = _map("12_pipeline_parallel")
+    assert _map("14_long_context_experts") == rows
+    assert [row.split("|")[1].strip() for row in rows[2:]] == [
+        "DDP", "FSDP", "tensor parallel", "pipeline parallel", "FSDP × TP (2-D)", "context parallel", "expert parallel"]
