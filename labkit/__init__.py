@@ -138,6 +138,7 @@ _LAZY = {
     "prove_same": "labkit._results.strategies",
     "saved_tensors": "labkit._results.strategies",
     "tensor_gap": "labkit._results.strategies",
+    "tensor_gaps": "labkit._results.strategies",
     "held_shards": "labkit._results.strategies",
     "last_step": "labkit._results.strategies",
     "measured_cost": "labkit._results.strategies",

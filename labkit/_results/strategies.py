@@ -60,6 +60,35 @@ def saved_tensors(run, name: str) -> dict:
     return merged
 
 
+def tensor_gaps(run, reference, name: str) -> dict:
+    """How far each of a run's saved tensors is from the reference's, relative to its largest value.
+
+    Args:
+        run, reference: ``Run`` objects that saved ``<name>_rank<R>.pt``.
+        name: "grads" (the first step's gradients) or "weights" (at the end).
+
+    Returns:
+        {tensor name: max|ours - reference| / max|reference|}.
+
+    Raises:
+        ValueError: the runs saved different tensor names or shapes.
+        FileNotFoundError: a run saved nothing under ``name``.
+
+    Example (lesson 14: only the experts' gradients are off)::
+
+        gaps = labkit.tensor_gaps(every_gradient, reference, "grads")
+        max(gap for name, gap in gaps.items() if ".experts." in name)
+    """
+    ours, ref = saved_tensors(run, name), saved_tensors(reference, name)
+    if ours.keys() != ref.keys():
+        raise ValueError(f"the runs saved different {name}: only in one of them: "
+                         f"{sorted(set(ours) ^ set(ref))}")
+    shapes = [k for k in ref if ours[k].shape != ref[k].shape]
+    if shapes:
+        raise ValueError(f"{name} of different shapes: {[(k, tuple(ours[k].shape), tuple(ref[k].shape)) for k in shapes]}")
+    return {k: float((ours[k] - ref[k]).abs().max() / ref[k].abs().max()) for k in ref}
+
+
 def tensor_gap(run, reference, name: str) -> float:
     """The largest difference between two runs' saved tensors, relative to each tensor's largest value.
 
@@ -68,7 +97,7 @@ def tensor_gap(run, reference, name: str) -> float:
         name: "grads" (the first step's gradients) or "weights" (at the end).
 
     Returns:
-        max over tensors of max|ours - reference| / max|reference|.
+        max over tensors of max|ours - reference| / max|reference| (``tensor_gaps``' largest).
 
     Raises:
         ValueError: the runs saved different tensor names or shapes.
@@ -78,14 +107,7 @@ def tensor_gap(run, reference, name: str) -> float:
 
         labkit.tensor_gap(tp, reference, "grads")     # a few parts in 1e7 on CPU
     """
-    ours, ref = saved_tensors(run, name), saved_tensors(reference, name)
-    if ours.keys() != ref.keys():
-        raise ValueError(f"the runs saved different {name}: only in one of them: "
-                         f"{sorted(set(ours) ^ set(ref))}")
-    shapes = [k for k in ref if ours[k].shape != ref[k].shape]
-    if shapes:
-        raise ValueError(f"{name} of different shapes: {[(k, tuple(ours[k].shape), tuple(ref[k].shape)) for k in shapes]}")
-    return max(float((ours[k] - ref[k]).abs().max() / ref[k].abs().max()) for k in ref)
+    return max(tensor_gaps(run, reference, name).values())
 
 
 def prove_same(run, reference, *, label: str, loss_tol: float, tensor_tol: float):
@@ -122,10 +144,12 @@ def prove_same(run, reference, *, label: str, loss_tol: float, tensor_tol: float
 
 
 def held_shards(run):
-    """The shape of each rank's part of ``blocks.0.fc1.weight`` and ``blocks.0.fc2.weight``.
+    """The shape of each rank's part of ``blocks.0.fc1.weight`` and ``blocks.0.fc2.weight``, and
+    their placements where the run logged them (lesson 11's script does).
 
     Returns:
-        a DataFrame indexed by rank: fc1_rows, fc1_cols, fc2_rows, fc2_cols (ints).
+        a DataFrame indexed by rank: fc1_rows, fc1_cols, fc2_rows, fc2_cols (ints), then
+        fc1_placement and fc2_placement (text such as "(Shard(dim=0),)") when logged.
 
     Raises:
         ValueError: the run logged no shapes.
@@ -135,7 +159,9 @@ def held_shards(run):
         labkit.held_shards(tp)      # each rank: 1/W of fc1's rows and of fc2's columns
     """
     columns = ["fc1_rows", "fc1_cols", "fc2_rows", "fc2_cols"]
-    return _logged(run, columns, "the shapes each rank holds").set_index("rank")[columns].astype(int)
+    df = _logged(run, columns, "the shapes each rank holds").set_index("rank")
+    placements = [c for c in ("fc1_placement", "fc2_placement") if c in df.columns]
+    return df[columns].astype(int).join(df[placements])
 
 
 def last_step(run):

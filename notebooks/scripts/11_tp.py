@@ -107,10 +107,9 @@ optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 shapes = {}
 for name in ("fc1", "fc2"):
     weight = getattr(plain.blocks[0], name).weight
-    shard = memory.local_tensor(weight)
-    print(f"rank {rank}: blocks.0.{name}.weight {tuple(weight.shape)}, this rank holds "
-          f"{tuple(shard.shape)} {getattr(weight, 'placements', '(all of it)')}")
-    shapes.update({f"{name}_rows": shard.shape[0], f"{name}_cols": shard.shape[1]})
+    shard, placement = memory.local_tensor(weight), str(getattr(weight, "placements", "(all of it)"))
+    print(f"rank {rank}: blocks.0.{name}.weight {tuple(weight.shape)}, this rank holds {tuple(shard.shape)} {placement}")
+    shapes.update({f"{name}_rows": shard.shape[0], f"{name}_cols": shard.shape[1], f"{name}_placement": placement})
 metrics.log(0, **shapes)
 
 

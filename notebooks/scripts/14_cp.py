@@ -16,16 +16,14 @@ from labkit.models import CausalLM, causal_attention
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--seq-len", type=int, default=192, help="tokens per sequence: the ranks split it")
-parser.add_argument("--layout", choices=["zigzag", "contiguous"], default="zigzag",
-                    help="which of a sequence's tokens each rank holds")
+parser.add_argument("--layout", choices=["zigzag", "contiguous"], default="zigzag", help="which tokens each rank holds")
 parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
 parser.add_argument("--dim", type=int, default=64, help="width of the model")
 parser.add_argument("--depth", type=int, default=2, help="transformer blocks")
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--lr", type=float, default=0.3, help="SGD's, with momentum 0.9")
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--probe-lengths", type=int, nargs="*", default=[],
-                    help="sequence lengths at which to check ring attention against full attention")
+parser.add_argument("--probe-lengths", type=int, nargs="*", default=[], help="lengths at which to check the ring")
 parser.add_argument("--out", default=os.environ.get(metrics.RUN_DIR_ENV, "."),
                     help="folder for grads_rank<R>.pt and weights_rank<R>.pt (default: run folder)")
 args = parser.parse_args()
@@ -89,27 +87,22 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout):
         length = q.shape[2] * world_size
-        q_pos = positions(rank, length, layout)
-        kv = torch.stack([k, v])
-        out, lse = [None, None], [None, None]  # per piece of queries: output so far, log-sum-exp
+        q_pos, kv = positions(rank, length, layout), torch.stack([k, v])
+        out = torch.zeros_like(q)  # per query: the output so far, and the log-sum-exp of its scores
+        lse = torch.full_like(q[..., :1], float("-inf"))
         for step in range(world_size):
             owner = (rank - step) % world_size  # whose keys and values this rank holds now
             if step + 1 < world_size:  # the next block travels while this one is computed
                 incoming, requests = rotate(kv)
             for i, j, scores in blocks(q, kv[0], q_pos, positions(owner, length, layout)):
-                block_lse = scores.logsumexp(dim=-1, keepdim=True)
-                block_out = (scores - block_lse).exp() @ piece(kv[1], j)
-                if out[i] is None:
-                    out[i], lse[i] = block_out, block_lse
-                else:  # two softmaxes over different keys, merged: each weighted by its share
-                    total = torch.logaddexp(lse[i], block_lse)
-                    out[i] = out[i] * (lse[i] - total).exp() + block_out * (block_lse - total).exp()
-                    lse[i] = total
+                # two softmaxes over different keys, merged as above: o' = e^(l - l') o + e^(S - l') V
+                total = torch.logaddexp(piece(lse, i), scores.logsumexp(dim=-1, keepdim=True))
+                piece(out, i).mul_((piece(lse, i) - total).exp()).add_((scores - total).exp() @ piece(kv[1], j))
+                piece(lse, i).copy_(total)
             if step + 1 < world_size:
                 for request in requests:
                     request.wait()
                 kv = incoming
-        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)  # no scores: backward computes them again
         ctx.layout = layout
         return out
@@ -117,7 +110,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        length = q.shape[2] * world_size
+        length, scale = q.shape[2] * world_size, q.shape[-1] ** -0.5
         q_pos = positions(rank, length, ctx.layout)
         delta = (grad_out * out).sum(dim=-1, keepdim=True)  # one number per query
         grad_q = torch.zeros_like(q)
@@ -128,8 +121,7 @@ class RingAttention(torch.autograd.Function):
             for i, j, scores in blocks(q, moving[0], q_pos, positions(owner, length, ctx.layout)):
                 p = (scores - piece(lse, i)).exp()  # forward's probabilities, computed again
                 piece(moving[3], j).add_(p.transpose(-2, -1) @ piece(grad_out, i))  # of v
-                d_scores = p * (piece(grad_out, i) @ piece(moving[1], j).transpose(-2, -1) - piece(delta, i))
-                d_scores *= q.shape[-1] ** -0.5
+                d_scores = p * (piece(grad_out, i) @ piece(moving[1], j).transpose(-2, -1) - piece(delta, i)) * scale
                 piece(grad_q, i).add_(d_scores @ piece(moving[0], j))
                 piece(moving[2], j).add_(d_scores.transpose(-2, -1) @ piece(q, i))  # of k
             if world_size > 1:  # pass them on; after the last step only the gradients go: home
@@ -143,8 +135,7 @@ class RingAttention(torch.autograd.Function):
 for length in args.probe_lengths if world_size > 1 else []:
     generator = torch.Generator().manual_seed(args.seed + length)  # the same numbers on every rank
     q, k, v, grad_out = (torch.randn(2, 4, length, 16, generator=generator).to(device) for _ in range(4))
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    everywhere = torch.arange(length, device=device)
+    full, everywhere = [t.clone().requires_grad_() for t in (q, k, v)], torch.arange(length, device=device)
     with memory.SavedTensorMeter() as one_process:  # what one process keeps for backward
         expected = causal_attention(*full, everywhere, everywhere)
     expected.backward(grad_out)
@@ -152,27 +143,20 @@ for length in args.probe_lengths if world_size > 1 else []:
         mine = positions(rank, length, layout)
         local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
         seen["scores"] = 0
-        with comm.count_collectives() as sent, memory.SavedTensorMeter() as ring:
+        with memory.SavedTensorMeter() as ring:
             out = RingAttention.apply(*local, layout)
             out.backward(grad_out[:, :, mine])
         pairs = [(out, expected[:, :, mine]), *((m.grad, f.grad[:, :, mine]) for m, f in zip(local, full))]
-        with torch.no_grad():  # the largest difference, relative to the largest value
-            error = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+        error = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)  # relative to the largest
         metrics.log(0, probe_length=length, layout=layout, max_error=error, scores=seen["scores"],
-                    saved_bytes=ring.bytes, one_process_saved_bytes=one_process.bytes,
-                    probe_sent_bytes=sent.sent_bytes)
+                    saved_bytes=ring.bytes, one_process_saved_bytes=one_process.bytes)
 
 
 # --- the model: ring attention in every block --------------------------------------------------
-def ring_attention(q, k, v, q_positions, k_positions):  # the ring knows every rank's positions
-    return RingAttention.apply(q, k, v, args.layout)
-
-
 torch.manual_seed(args.seed)  # the same initial weights on every rank, and in one process
 model = CausalLM(dim=args.dim, depth=args.depth, max_len=args.seq_len).to(device)  # vocabulary 64
-if world_size > 1:
-    for block in model.blocks:
-        block.attn.attend = ring_attention
+for block in model.blocks if world_size > 1 else []:  # the ring works out every rank's positions itself
+    block.attn.attend = lambda q, k, v, q_positions, k_positions: RingAttention.apply(q, k, v, args.layout)
 optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
 # --- training: the same sequences as one process, each rank its own tokens of every one ------
