@@ -76,6 +76,7 @@ _LAZY = {
     "LoadReport": "labkit._results.tryload",
     "elastic_rounds": "labkit._results.elastic",
     "elastic_losses": "labkit._results.elastic",
+    "elastic_resumes": "labkit._results.elastic",
     "plot_elastic": "labkit._results.elastic",
     # diagnosing (labkit/_diagnose/)
     "doctor": "labkit._diagnose.doctor",
