@@ -19,6 +19,8 @@ Notebook side (see each name's docstring)::
                   events=[labkit.kill_node(1, at_step=12), labkit.add_node(at_step=24)])
     labkit.prove_same(tp, reference, label="TP", loss_tol=1e-4, tensor_tol=1e-5)   # lessons 11, 12
     labkit.schedule_order("1f1b", 0, stages=2, microbatches=8)       # a pipeline stage's order (12)
+    p = labkit.predict("bytes all-reduced per step", unit="MB")     # the learner's guess, then
+    p.grade(measured_mb, run=run)                                    # graded, kept in the run folder
 
 Exercises (``exercises/``)::
 
@@ -78,6 +80,11 @@ _LAZY = {
     "elastic_losses": "labkit._results.elastic",
     "elastic_resumes": "labkit._results.elastic",
     "plot_elastic": "labkit._results.elastic",
+    # the interactive layer (labkit/_interact/): predict, then measure
+    "predict": "labkit._interact.predict",
+    "Prediction": "labkit._interact.predict",
+    "Grade": "labkit._interact.predict",
+    "predictions": "labkit._interact.guesses",
     # diagnosing (labkit/_diagnose/)
     "doctor": "labkit._diagnose.doctor",
     "Report": "labkit._diagnose.doctor",

@@ -10,6 +10,7 @@ A launch writes everything about itself under ``runs/<timestamp>-<name>/``::
     errors/rank<R>-restart<N>.json        rank R's uncaught exception in attempt N
     torchrun/<id>/attempt_<N>/<R>/stdout.log   what rank R printed in attempt N (torchrun --log-dir)
     flight_rank<R>                        rank R's flight-recorder dump, if it wrote one (lesson 10)
+    predictions.jsonl                     the learner's graded guesses, one line each (labkit.predict)
 
 With several nodes (``launch(nnodes=N)``) agent k writes ``torchrun-node<k>.log``, its ranks'
 logs go to ``torchrun/node<k>/<id>/attempt_<N>/<local rank>/stdout.log``, and
@@ -17,7 +18,7 @@ logs go to ``torchrun/node<k>/<id>/attempt_<N>/<local rank>/stdout.log``, and
 (``labkit.sbatch``) writes its output to ``slurm.out``.
 
 A sweep's folder holds ``sweep.json`` and one run folder per run. An export (``Run.export``)
-keeps run.json, data.json and metrics/: enough to redraw every chart.
+keeps run.json, data.json, metrics/ and predictions.jsonl: enough to redraw every chart.
 
 The launcher tells each rank its run folder in the ``LABKIT_RUN_DIR`` environment variable.
 Standard library only: each rank imports this before its script (and torch) is loaded.
@@ -54,6 +55,9 @@ SLURM_OUTPUT = "slurm.out"
 #: What labkit sets PyTorch's TORCH_FR_DUMP_TEMP_FILE to, in the run folder: a rank's
 #: flight-recorder dump is this prefix followed by its rank.
 FLIGHT_PREFIX = "flight_rank"
+
+#: The learner's graded predictions (``Prediction.grade``), in a run or sweep folder.
+PREDICTIONS = "predictions.jsonl"
 
 _LAYOUT_KEYS = ("rank", "node", "local_rank", "group_rank", "restart", "pid")
 _RANK_FILE = re.compile(r"^rank(\d+)\.json$")
@@ -143,6 +147,16 @@ def flight_files(run_dir: str | os.PathLike) -> dict[int, Path]:
         if suffix.isdigit():
             found[int(suffix)] = path
     return dict(sorted(found.items()))
+
+
+def predictions_file(folder: str | os.PathLike) -> Path:
+    """Where ``Prediction.grade`` appends its lines, in a run or sweep folder."""
+    return Path(folder, PREDICTIONS)
+
+
+def prediction_files(root: str | os.PathLike) -> list[Path]:
+    """Every predictions file under ``root``, at any depth (sweeps, a room's run folders)."""
+    return sorted(Path(root).rglob(PREDICTIONS))
 
 
 def torchrun_dir(run_dir: str | os.PathLike) -> Path:

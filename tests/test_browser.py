@@ -339,3 +339,41 @@ def test_exercise_check_and_hint(open_notebook):
     nb.shot("the hint", at=cell)
     assert [o for o in outputs if o["mime"] == "text/html" and re.match(r"Hint \d of \d for 02-ddp", o["text"])], (
         outputs)
+
+
+# -- the interactive layer: predict, the planner, progress -------------------------------------
+def write_notebook(path: Path, cells: list[str]) -> Path:
+    """A small notebook of code cells (the interactive layer's own page, before the lessons
+    carry its cells), written into this test's copy of the course."""
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in cells]
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_a_prediction_typed_and_graded(open_notebook, course):
+    """The question is a box, not text: the learner types a number, the note beside it repeats
+    it, and the check cell grades that guess against the measurement, in one line."""
+    write_notebook(course / "notebooks" / "predict.ipynb", [
+        'import labkit\np = labkit.predict("bytes all-reduced per step", unit="MB")',
+        'graded = p.grade(1.23, why="every gradient, once per step")',
+    ])
+    nb = open_notebook("notebooks/predict.ipynb")
+    ask = nb.run("p = labkit.predict(")
+    box = ask.locator(".labkit-predict-guess input")
+    box.wait_for()
+    assert "Predict · bytes all-reduced per step" in nb.text(ask), nb.text(ask)
+    assert "no guess yet" not in nb.text(ask), "the text fallback is shown instead of the widget"
+    nb.shot("the question, as a box", at=ask)
+    box.click()
+    box.press_sequentially("1.2")
+    wait_for("the note to repeat the guess", lambda: "your guess: 1.2 MB" in nb.text(ask), 30)
+    nb.shot("a guess typed", at=ask)
+    graded = nb.run("graded = p.grade(")
+    nb.shot("the grade", at=graded)
+    assert nb.text(graded).strip() == ("bytes all-reduced per step: you said 1.2 MB, measured 1.23 MB: "
+                                       "within 3%. every gradient, once per step"), nb.text(graded)
+

@@ -16,7 +16,7 @@ from conftest import ROOT
 from test_rundir import HEAVY, imported_by
 
 PACKAGE = ROOT / "labkit"
-FOLDERS = ("_rank", "_launch", "_diagnose", "_results", "_course")
+FOLDERS = ("_rank", "_launch", "_diagnose", "_results", "_course", "_interact")
 #: A script the doctor launches on the ranks, not a module anyone imports: it loads torch.
 SCRIPTS = {"labkit._rank.selftest"}
 

@@ -42,6 +42,7 @@ class Run:
 
         run = labkit.launch("scripts/02_ddp.py", nproc=2)
         run.metrics(), run.throughput(), run.output(0)
+        run.predictions()          # the guesses graded against this run (labkit.predict)
         ref = labkit.Run.load("../reference/02-ddp-8xH100")
     """
 
@@ -114,9 +115,9 @@ class Run:
         (target / _rundir.METRICS).mkdir()
         for path in _rundir.metrics_files(self.run_dir):
             (target / _rundir.METRICS / path.name).write_bytes(path.read_bytes())
-        data_note = self.run_dir / _rundir.DATA_FILE
-        if data_note.is_file():
-            (target / _rundir.DATA_FILE).write_bytes(data_note.read_bytes())
+        for kept in (self.run_dir / _rundir.DATA_FILE, _rundir.predictions_file(self.run_dir)):
+            if kept.is_file():
+                (target / kept.name).write_bytes(kept.read_bytes())
         Run(target, dict(self.info, exported_from=str(self.run_dir))).save_info()
         return Run.load(target)
 
@@ -177,6 +178,16 @@ class Run:
         (where the window ends), ``dt_s``, ``samples``, ``samples_per_s`` and ``warmup``
         (True for the windows ``throughput`` leaves out). Lesson 01 charts it."""
         return throughput_windows(self.metrics(), warmup_windows=warmup_windows, name=self.name)
+
+    def predictions(self):
+        """The learner's graded guesses kept in this run's folder (``Prediction.grade(run=...)``):
+        a DataFrame, one row per grade, as ``labkit.predictions`` reads a whole folder of runs."""
+        import pandas as pd
+
+        from labkit._interact.guesses import COLUMNS, read_predictions
+
+        rows = [{"run": self.run_dir.name, **record} for record in read_predictions(self.run_dir)]
+        return pd.DataFrame(rows, columns=COLUMNS)
 
     def output(self, rank: int = 0) -> str:
         """Everything ``rank`` printed, over all restarts (a Slurm job: its one output file)."""
