@@ -96,8 +96,16 @@ restore: $(STAMP)
 	$(PY) -m labkit.exercises restore "$(EX)"
 
 # The set-up check for one seat of a workshop: the report and a first 2-rank launch; fails on a warning.
+# Before a launch on several nodes, `make doctor NODES=2` runs labkit.preflight instead, on that
+# many loopback nodes here (SLURM=1: on the nodes of a Slurm job; PORT= the rendezvous port,
+# CKPT= the checkpoint folder every node must share): what will break, each with its fix.
 doctor: $(STAMP)
+ifeq ($(NODES),)
 	$(PY) -c "import labkit, sys; report = labkit.doctor(launch=True); print(report); sys.exit(0 if report.ok else 1)"
+else
+	$(PY) -m labkit._diagnose.preflight --nnodes "$(NODES)" $(if $(SLURM),--slurm) \
+		$(if $(PORT),--port "$(PORT)") $(if $(CKPT),--checkpoint-dir "$(CKPT)")
+endif
 
 bench: $(STAMP)
 	$(PY) benchmarks/launch_overhead.py

@@ -94,6 +94,11 @@ _LAZY = {
     "py_spy_dump": "labkit._diagnose.hang",       # lesson 10: hangs
     "dump_stack": "labkit._diagnose.hang",
     "flight_records": "labkit._diagnose.flight",
+    "bandwidth": "labkit._diagnose.bandwidth",    # lesson 07: what the links carry
+    "Bandwidth": "labkit._diagnose.bandwidth",
+    "AlphaBeta": "labkit._diagnose.bandwidth",
+    "preflight": "labkit._diagnose.preflight",    # lesson 09: before a launch on several nodes
+    "Preflight": "labkit._diagnose.preflight",
     # the machine
     "gpu_count": "labkit._hardware",
     "datasheet_tflops": "labkit._hardware",

@@ -17,8 +17,9 @@ from test_rundir import HEAVY, imported_by
 
 PACKAGE = ROOT / "labkit"
 FOLDERS = ("_rank", "_launch", "_diagnose", "_results", "_course", "_interact")
-#: A script the doctor launches on the ranks, not a module anyone imports: it loads torch.
-SCRIPTS = {"labkit._rank.selftest"}
+#: Scripts launched on the ranks (the doctor's, labkit.bandwidth's), not modules anyone imports:
+#: they load torch.
+SCRIPTS = {"labkit._rank.selftest", "labkit._rank.collectives"}
 
 # "Readable in one sitting": about 300 lines a module, about 60 code lines a function (its
 # docstring not counted). "About": a few lines over is noise, not a second topic.

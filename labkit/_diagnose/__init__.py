@@ -9,6 +9,10 @@ Owns:
     profile  ``step_events``, ``allreduce_bytes``, ``powersgd_numbers``: one DDP step taken apart
              from its trace (lesson 07)
     doctor   ``doctor``: the seat check (lesson 00, ``make doctor``)
+    bandwidth  ``bandwidth``: collectives' algorithm and bus bandwidth over sizes, the
+             alpha-beta model fitted to them (lesson 07)
+    preflight  ``preflight``: before a launch on several nodes, what will break (lesson 09,
+             ``make doctor NODES=2``); ``findings`` says what the nodes' probes found
 
 Imported by the kernel: the public names above, and the launcher (``stacks``, on a timeout).
 """

@@ -28,29 +28,16 @@ class Check:
 
 
 @dataclass
-class Report:
-    """What ``labkit.doctor()`` found. Renders as a table in Jupyter, as text elsewhere.
+class Checks:
+    """Rows of checks: a table in Jupyter, text elsewhere; ``ok`` when none warns.
 
-    Attributes:
-        checks: the rows.
-        device: "cuda" or "cpu", what launches will use.
-        backend: "nccl" or "gloo".
-        nproc: ranks a launch uses by default.
-        gpus: the visible GPUs.
-        dataset: "CIFAR-10" or "synthetic".
+    Example::
 
-    Example (lesson 00)::
-
-        report = labkit.doctor()
-        report.ok, report.device, report["CPU cores"].value
+        report = labkit.doctor()          # or labkit.preflight(nnodes=2)
+        report.ok, [c.what for c in report.checks if c.status == "warn"]
     """
 
     checks: list[Check] = field(default_factory=list)
-    device: str = "cpu"
-    backend: str = "gloo"
-    nproc: int = 2
-    gpus: list = field(default_factory=list)
-    dataset: str = "synthetic"
 
     @property
     def ok(self) -> bool:
@@ -64,7 +51,7 @@ class Report:
         raise KeyError(what)
 
     def __str__(self) -> str:
-        width = max(len(c.what) for c in self.checks)
+        width = max((len(c.what) for c in self.checks), default=0)
         mark = {"ok": "✓", "info": "·", "warn": "!"}
         lines = [f"{mark[c.status]} {c.what:<{width}}  {c.value}"
                  + (f"\n  {'':<{width}}  → {c.advice}" if c.advice else "") for c in self.checks]
@@ -81,6 +68,31 @@ class Report:
             for c in self.checks)
         return ("<table><thead><tr><th></th><th>check</th><th style='text-align:left'>found</th>"
                 f"</tr></thead><tbody>{rows}</tbody></table>")
+
+
+@dataclass(repr=False)
+class Report(Checks):
+    """What ``labkit.doctor()`` found. Renders as a table in Jupyter, as text elsewhere.
+
+    Attributes:
+        checks: the rows.
+        device: "cuda" or "cpu", what launches will use.
+        backend: "nccl" or "gloo".
+        nproc: ranks a launch uses by default.
+        gpus: the visible GPUs.
+        dataset: "CIFAR-10" or "synthetic".
+
+    Example (lesson 00)::
+
+        report = labkit.doctor()
+        report.ok, report.device, report["CPU cores"].value
+    """
+
+    device: str = "cpu"
+    backend: str = "gloo"
+    nproc: int = 2
+    gpus: list = field(default_factory=list)
+    dataset: str = "synthetic"
 
 
 def _topology() -> str | None:

@@ -6,7 +6,6 @@ standard library; the launcher (``labkit._launch.launch``) and ``sbatch`` use it
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shlex
@@ -19,6 +18,7 @@ from labkit import _hardware, _rundir
 from labkit._launch import agents, elastic
 from labkit._launch.plan import Plan
 from labkit._rank import layout, proc
+from labkit._rank.probe import torch_version as _torch_version
 
 _PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
@@ -93,31 +93,6 @@ def rank_env(p: Plan, run_dir: Path, extra: dict | None) -> dict:
         del env["MPLBACKEND"]  # the kernel's inline backend means nothing to a rank
     env.update(extra or {})  # checked at the door: str to str
     return env
-
-
-def _torch_version() -> str | None:
-    """torch's version with its build suffix ("2.14.1+cu130", "2.14.1+cpu"): which CUDA a
-    reference run was built for matters, and the package metadata drops the suffix. Read from
-    torch/version.py so that a launch never pays for importing torch."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(getattr(torch, "__version__", None), str):
-        return str(torch.__version__)
-    try:
-        spec = importlib.util.find_spec("torch")
-    except (ImportError, ValueError):
-        spec = None
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        try:
-            text = (Path(folder) / "version.py").read_text()
-        except OSError:
-            continue
-        found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
-        if found:
-            return found.group(1)
-    try:
-        return metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _versions() -> dict:

@@ -8,6 +8,10 @@ Owns:
     layout     which node and local rank a rank is, written to the run folder (several nodes)
     selftest   the tiny all-reduce script ``labkit.doctor(launch=True)`` launches (a script,
                not imported: it loads torch as any lesson script does)
+    collectives  the script ``labkit.bandwidth`` launches: all-reduce, all-gather and
+               reduce-scatter timed over sizes (a script too: it loads torch)
+    probe      what ``labkit.preflight`` runs on every node (``python -m labkit._rank.probe``):
+               versions, interfaces, the rendezvous port held or reached, a checkpoint token
 
 Imported by: every rank and agent before the script (and torch) loads, so **standard library
 only** (``tests/test_layout.py`` imports each module in a fresh interpreter and checks); the

@@ -1,0 +1,264 @@
+"""labkit.bandwidth: what the ranks' links carry, measured as nccl-tests measures it (lesson 07).
+
+A launch of ``labkit/_rank/collectives.py`` times all-reduce, all-gather and reduce-scatter over
+message sizes (gloo on CPU ranks, NCCL on GPUs). Two rates come back for each:
+
+- **algorithm bandwidth** (algbw) = size / time, where size is the bytes of the whole tensor:
+  the all-reduce's buffer, the all-gather's output, the reduce-scatter's input (nccl-tests'
+  convention);
+- **bus bandwidth** (busbw) = algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather and
+  reduce-scatter: the rate each rank's link runs at in a ring, comparable across world sizes
+  and with the hardware's link speed.
+
+Predictions come from the alpha-beta model of a ring, fitted to the measured all-reduce:
+``time = f(W) x (W x alpha + B / busbw)`` with f the bus factor above, so an all-reduce makes
+2(W-1) steps of latency alpha and moves 2(W-1)/W x B bytes through each link. It holds where
+the bigger world has the same links (one box, one fabric) and runs a ring; see ``AlphaBeta``.
+Kernel side: pandas, numpy and matplotlib load inside the functions that draw or fit.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+_SCRIPT = Path(__file__).resolve().parents[1] / "_rank" / "collectives.py"
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """busbw / algbw for ``op`` on ``world_size`` ranks (nccl-tests): 2(n-1)/n or (n-1)/n."""
+    share = (world_size - 1) / world_size
+    return 2 * share if op == "all_reduce" else share
+
+
+def format_bytes(nbytes: float) -> str:
+    """'64 KiB', '1 MiB', '512 B': a message size as the tables and the chart say it."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+def default_sizes(device: str, smoke: bool) -> list[int]:
+    """1 KiB up to 1 MiB (smoke), 64 MiB (CPU ranks) or 1 GiB (GPUs), each 4 times the last."""
+    top = 20 if smoke else (30 if device == "cuda" else 26)
+    return [2**p for p in range(10, top + 1, 2)]
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """The alpha-beta model of a ring collective, fitted to measured times at one world size.
+
+    ``time_s(B, W) = f(W) * (W * latency_s + B / (busbw_GBps * 1e9))``, f = ``bus_factor``:
+    a ring all-reduce takes 2(W-1) steps of ``latency_s`` each and sends 2(W-1)/W x B bytes
+    through every link at ``busbw_GBps``.
+
+    Limits: it assumes the bigger world has links as fast as the measured one (true inside one
+    box or one fabric; across nodes the slowest link sets busbw), and a ring (NCCL may choose a
+    tree or NVLS for some sizes and worlds, with a latency that grows as log W); CPU ranks that
+    share cores slow each other, which it does not know. ``max_error`` says how well it fits the
+    sizes it was fitted to; outside them it extrapolates.
+
+    Example (lesson 07)::
+
+        model = labkit.bandwidth(nproc=2).fit()
+        model.time_s(25 * 2**20, world_size=4)     # a 25 MiB all-reduce on 4 ranks, in seconds
+    """
+
+    op: str
+    world_size: int
+    latency_s: float
+    busbw_GBps: float
+    max_error: float
+
+    def time_s(self, nbytes: float, world_size: int | None = None) -> float:
+        """Predicted seconds for one ``op`` of ``nbytes`` on ``world_size`` ranks (default: the
+        measured world). 0 on one rank: nothing to send."""
+        world = self.world_size if world_size is None else _positive_int("world_size", world_size)
+        if not isinstance(nbytes, (int, float)) or nbytes < 0 or not math.isfinite(nbytes):
+            raise ValueError(f"nbytes must be a number of bytes >= 0, got {nbytes!r}. "
+                             f"HINT: e.g. labkit.allreduce_bytes(...) of a lesson run, or 25 * 2**20.")
+        return bus_factor(self.op, world) * (world * self.latency_s + nbytes / (self.busbw_GBps * 1e9))
+
+    def __str__(self) -> str:
+        return (f"{self.op} on {self.world_size} ranks: {self.latency_s * 1e6:.1f} us a step, "
+                f"busbw {self.busbw_GBps:.3g} GB/s (fits the measured sizes within "
+                f"{self.max_error:.0%})")
+
+
+def fit_alpha_beta(op: str, world_size: int, sizes, seconds) -> AlphaBeta:
+    """Least squares of ``time = a + b x size`` in relative error (small and large sizes count
+    alike), a >= 0, turned into the ring's latency per step and its bus bandwidth."""
+    import numpy as np
+
+    size, time = np.asarray(sizes, float), np.asarray(seconds, float)
+    weight = 1 / time**2
+    design = np.stack([np.ones_like(size), size], axis=1) * np.sqrt(weight)[:, None]
+    (a, b), *_ = np.linalg.lstsq(design, time * np.sqrt(weight), rcond=None)
+    if a < 0:  # no latency below zero: the line through the origin instead
+        a, b = 0.0, float((weight * size * time).sum() / (weight * size * size).sum())
+    if b <= 0 or world_size < 2:
+        raise ValueError(
+            f"cannot fit the {op} times on {world_size} rank(s): they do not grow with the size "
+            f"({', '.join(format_bytes(s) for s in size)}). HINT: measure on 2 ranks or more, "
+            f"with sizes up to a few MiB, e.g. labkit.bandwidth(nproc=2, sizes=[2**k for k in "
+            f"range(10, 24, 2)]).")
+    factor = bus_factor(op, world_size)
+    error = float(np.max(np.abs(a + b * size - time) / time))
+    return AlphaBeta(op, world_size, latency_s=float(a) / (factor * world_size),
+                     busbw_GBps=factor / float(b) / 1e9, max_error=error)
+
+
+@dataclass
+class Bandwidth:
+    """What ``labkit.bandwidth`` measured: one row per collective and size.
+
+    Attributes:
+        run: the launch that measured it (``run.output(0)`` prints nccl-tests' table).
+        world_size, device, backend: where it was measured.
+
+    Example (lesson 07)::
+
+        bw = labkit.bandwidth(nproc=2, device=DEVICE)
+        bw.table()                                  # op, size, time, algbw and busbw in GB/s
+        bw.plot()                                   # busbw over sizes, log scale
+        bw.predict_s(25 * 2**20, world_size=4)      # a 25 MiB all-reduce on 4 ranks, in seconds
+    """
+
+    run: object
+    world_size: int
+    device: str
+    backend: str
+
+    def table(self):
+        """A DataFrame: ``op``, ``size_bytes``, ``size``, ``time_us`` (median), ``algbw_GBps``,
+        ``busbw_GBps``, ``time_min_us``, ``time_max_us``, ``iters``."""
+        df = self.run.metrics()
+        df = df[(df["rank"] == 0) & df["op"].notna()].copy()
+        df["size"] = df["size_bytes"].map(format_bytes)
+        df["algbw_GBps"] = df["size_bytes"] / df["time_s"] / 1e9
+        df["busbw_GBps"] = df["algbw_GBps"] * df["op"].map(lambda op: bus_factor(op, self.world_size))
+        for column in ("time", "time_min", "time_max"):
+            df[f"{column}_us"] = df[f"{column}_s"] * 1e6
+        columns = ["op", "size_bytes", "size", "time_us", "algbw_GBps", "busbw_GBps",
+                   "time_min_us", "time_max_us", "iters"]
+        return df[columns].astype({"size_bytes": int, "iters": int}).reset_index(drop=True)
+
+    def fit(self, op: str = "all_reduce") -> AlphaBeta:
+        """The alpha-beta model of ``op`` fitted to this measurement (see ``AlphaBeta``)."""
+        rows = self.table()
+        rows = rows[rows["op"] == _check_op(op, set(rows["op"]))]
+        return fit_alpha_beta(op, self.world_size, rows["size_bytes"], rows["time_us"] / 1e6)
+
+    def predict_s(self, nbytes: float, world_size: int | None = None, op: str = "all_reduce") -> float:
+        """Seconds for one ``op`` of ``nbytes`` on ``world_size`` ranks, from the fitted
+        alpha-beta model (``fit(op).time_s``; its docstring says where it holds)."""
+        return self.fit(op).time_s(nbytes, world_size)
+
+    def plot(self, *, y: str = "busbw_GBps", ax=None, title: str | None = None):
+        """Bandwidth over message sizes (log scale), one line per collective; returns the Axes."""
+        import matplotlib.pyplot as plt
+
+        if y not in ("busbw_GBps", "algbw_GBps"):
+            raise ValueError(f"y must be 'busbw_GBps' or 'algbw_GBps', got {y!r}")
+        if ax is None:
+            _, ax = plt.subplots(figsize=(7, 4))
+        table = self.table()
+        for op, rows in table.groupby("op", sort=False):
+            ax.plot(rows["size_bytes"], rows[y], marker="o", label=op)
+        ax.set_xscale("log", base=2)
+        sizes = table["size_bytes"].unique()
+        ax.set_xticks(sizes, [format_bytes(s) for s in sizes], rotation=45, fontsize=8)
+        ax.set_xlabel("message size (the whole tensor)")
+        ax.set_ylabel(("bus" if y.startswith("bus") else "algorithm") + " bandwidth (GB/s)")
+        ax.set_title(title or f"{self.world_size} ranks, {self.backend} on {self.device.upper()}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        return ax
+
+    def __repr__(self) -> str:
+        return f"<Bandwidth: {self.world_size} ranks, {self.backend} on {self.device}; {self.run.run_dir}>"
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}. HINT: e.g. {name}=4.")
+    return value
+
+
+def _check_op(op, known=OPS) -> str:
+    if op not in known:
+        close = difflib.get_close_matches(str(op), list(known), n=1)
+        raise ValueError(f"unknown collective {op!r}. HINT: "
+                         + (f"did you mean {close[0]!r}? " if close else "")
+                         + f"one of {', '.join(sorted(known))}.")
+    return op
+
+
+def _check_sizes(sizes) -> list[int]:
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise TypeError(f"sizes must be a list of byte counts, got {sizes!r}. "
+                        f"HINT: e.g. sizes=[2**k for k in range(10, 21, 2)].")
+    sizes = list(sizes)
+    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+    if not sizes or bad:
+        raise ValueError(f"sizes must hold whole numbers of bytes >= 1, got {sizes!r}. "
+                         f"HINT: e.g. sizes=[2**k for k in range(10, 21, 2)] (1 KiB to 1 MiB).")
+    return sorted(set(sizes))
+
+
+def bandwidth(nproc=None, *, device="auto", sizes=None, ops=OPS, warmup=None, iters=None,
+              timeout_s=300, name=None, runs_dir="runs", quiet=False) -> Bandwidth:
+    """Measure all-reduce, all-gather and reduce-scatter bandwidth over message sizes.
+
+    One launch (``labkit.launch``: its output, errors and run folder are the usual ones) of
+    ``labkit/_rank/collectives.py``: for each op and size, ``warmup`` calls left out, then
+    ``iters`` calls timed one by one (started together, timed to their end on the device);
+    the median of the slowest rank's times is kept. Sizes are nccl-tests' (the whole tensor).
+
+    Args:
+        nproc: ranks (default: what ``labkit.launch`` picks: every GPU, else 2 CPU ranks).
+        device: "auto" (GPUs and NCCL when there are any) or "cpu" (gloo).
+        sizes: bytes of each message (default: 1 KiB to 1 MiB in smoke mode, to 64 MiB on CPU
+            ranks, to 1 GiB on GPUs; each 4 times the last).
+        ops: which of "all_reduce", "all_gather", "reduce_scatter".
+        warmup, iters: calls left out, calls timed (default 2 and 5 in smoke mode, else 5 and 20).
+        timeout_s, name, runs_dir, quiet: as for ``labkit.launch``.
+
+    Returns:
+        a Bandwidth: ``.table()``, ``.plot()``, ``.fit()`` (the alpha-beta model) and
+        ``.predict_s(nbytes, world_size)``.
+
+    Raises:
+        ValueError, TypeError: bad sizes, ops, warmup or iters (or what launch refuses), before
+            anything runs.
+        LaunchError, LaunchTimeout: as for ``labkit.launch``.
+
+    Example (lesson 07)::
+
+        bw = labkit.bandwidth(nproc=2, device=DEVICE)
+        bw.plot()
+        print(f"a 25 MiB all-reduce on 4 ranks: {bw.predict_s(25 * 2**20, world_size=4) * 1e3:.1f} ms")
+    """
+    from labkit import _hardware
+    from labkit._launch.launch import launch
+    from labkit._launch.plan import resolve_device
+
+    smoke = _hardware.is_smoke()
+    ops = [_check_op(op) for op in ([ops] if isinstance(ops, str) else list(ops))]
+    if not ops:
+        raise ValueError(f"ops is empty. HINT: e.g. ops=['all_reduce'], or leave it out for {OPS}.")
+    sizes = default_sizes(resolve_device(device), smoke) if sizes is None else _check_sizes(sizes)
+    warmup = (2 if smoke else 5) if warmup is None else warmup
+    iters = (5 if smoke else 20) if iters is None else _positive_int("iters", iters)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}. HINT: e.g. warmup=5.")
+    args = ["--sizes", ",".join(map(str, sizes)), "--ops", ",".join(dict.fromkeys(ops)),
+            "--warmup", str(warmup), "--iters", str(iters)]
+    run = launch(_SCRIPT, nproc=nproc, device=device, args=args, timeout_s=timeout_s,
+                 name=name or "bandwidth", runs_dir=runs_dir, quiet=quiet)
+    return Bandwidth(run, world_size=run.info["world_size"], device=run.info["device"],
+                     backend=run.info["backend"])
