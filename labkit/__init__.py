@@ -86,6 +86,7 @@ _LAZY = {
     "LoadReport": "labkit._results.tryload",
     "elastic_rounds": "labkit._results.elastic",
     "elastic_losses": "labkit._results.elastic",
+    "elastic_resumes": "labkit._results.elastic",
     "plot_elastic": "labkit._results.elastic",
     # the interactive layer (labkit/_interact/): predict, then measure
     "predict": "labkit._interact.predict",

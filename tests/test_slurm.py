@@ -68,8 +68,10 @@ def test_the_lessons_job_runs_one_torchrun_per_node(slurm_cluster, lesson):
 
 
 def test_usr1_requeues_the_job_and_it_resumes_from_its_checkpoint(slurm_cluster, lesson):
-    """What --signal=B:USR1@120 does near the time limit, sent at once with scancel."""
-    args = TINY + ["--epochs", "3", "--ckpt-every", "4", "--out-dir", "out/requeue"]
+    """What --signal=B:USR1@120 does near the time limit, sent at once with scancel: the trap
+    requeues the job, Slurm ends it with SIGTERM, every rank stops after one step and saves it
+    (the only checkpoint: --ckpt-every is far away), and the requeued job resumes from it."""
+    args = TINY + ["--epochs", "3", "--ckpt-every", "1000", "--out-dir", "out/requeue"]
     result = {}
     worker = threading.Thread(target=lambda: result.update(run=labkit.sbatch(
         "scripts/09_job.sbatch", nodes=2, args=args, timeout_s=400, quiet=True)))
@@ -93,14 +95,45 @@ def test_usr1_requeues_the_job_and_it_resumes_from_its_checkpoint(slurm_cluster,
     out = run.output()
     assert run.status == "ok", out
     assert f"time limit near: requeue job {job}" in out
-    assert "resumed from step" in out
-    resumed = int(out.split("resumed from step ")[1].split()[0])
-    assert resumed >= 8 and resumed % 2 == 0  # saved at a log step, where the ranks agreed to stop
+    stopped = [int(line.split("stopped at step ")[1].split()[0]) for line in out.splitlines()
+               if "as asked; checkpoint saved" in line]
+    assert len(stopped) == 1 and stopped[0] >= 8, out  # SIGTERM: every rank stopped after one step
+    assert f"resumed from step {stopped[0]} (epoch" in out  # ... and the requeued job went on from it
     steps = run.metrics().dropna(subset=["loss"])
     steps = steps[steps["rank"] == 0]["step"].tolist()
-    # Every step up to the checkpoint once, the steps after it again, then on to the end.
-    assert steps[-1] == 3 * (256 // (16 * 2)) and sorted(set(steps)) == list(range(2, steps[-1] + 1, 2))
+    # Every step up to the checkpoint once, then on to the end; nothing done twice: the
+    # checkpoint was the very step the ranks stopped after.
+    assert steps == list(range(2, 3 * (256 // (16 * 2)) + 1, 2)), steps
     assert not nothing_left(lesson)
+
+
+SIGNALLED = """
+    #!/bin/bash
+    #SBATCH --time=00:01:00
+    #SBATCH --signal={signal}USR1@58
+    trap 'echo "the batch shell got USR1"; exit 0' USR1
+    srun bash -c 'trap "echo a step got USR1; exit 0" USR1; for i in $(seq 1200); do sleep 0.05; done' &
+    wait
+    echo "the batch shell saw its step end"
+"""
+
+
+def test_b_sends_the_signal_to_the_batch_shell_and_without_it_only_steps_get_it(slurm_cluster, write_script):
+    """Lesson 09's claim about ``--signal=B:USR1@...``: with ``B:`` the batch shell's trap runs
+    (and the steps get nothing); without it the steps are signalled and the trap never runs."""
+    write_script("with_b.sbatch", SIGNALLED.format(signal="B:"))
+    write_script("without_b.sbatch", SIGNALLED.format(signal=""))
+    result = {}
+    jobs = [threading.Thread(target=lambda name=name: result.update({name: labkit.sbatch(
+        f"{name}.sbatch", nodes=1, timeout_s=150, quiet=True)})) for name in ("with_b", "without_b")]
+    for job in jobs:
+        job.start()
+    for job in jobs:
+        job.join(200)
+    with_b, without_b = result["with_b"].output(), result["without_b"].output()
+    assert "the batch shell got USR1" in with_b and "a step got USR1" not in with_b, with_b
+    assert "a step got USR1" in without_b and "the batch shell got USR1" not in without_b, without_b
+    assert "the batch shell saw its step end" in without_b
 
 
 def test_a_failing_job_is_a_launch_error(slurm_cluster, write_script):

@@ -96,7 +96,9 @@ def _sigterm_watch(read_fd: int) -> None:
             return
         if not received:
             return
-        if signal.SIGTERM in received:
+        # A script that set a SIGTERM handler of its own (lesson 09's agreed stop) handles the
+        # signal itself: the pipe hears every SIGTERM, whoever's handler runs.
+        if signal.SIGTERM in received and signal.getsignal(signal.SIGTERM) is _on_sigterm:
             _die_by_sigterm()
 
 
@@ -119,7 +121,9 @@ def _flush_on_sigterm() -> None:
     a gloo or NCCL collective never is. So the handler also writes the signal's
     number to a pipe (``signal.set_wakeup_fd``) from whichever thread received it,
     and a watcher thread that reads the pipe flushes and ends the rank. Whichever
-    of the two comes first does it; both do the same.
+    of the two comes first does it; both do the same. A script that sets its own
+    SIGTERM handler (a clean stop on a scheduler's signal) replaces both: the
+    watcher then leaves the rank alone.
     """
     if not hasattr(signal, "set_wakeup_fd") or os.name != "posix":
         return

@@ -98,6 +98,103 @@ def elastic_rounds(run):
     return pd.DataFrame(rows).astype({name: "Int64" for name in counts})  # None stays missing
 
 
+class Resumes:
+    """Each round of an elastic run, set against the round before it (lesson 10).
+
+    ``labkit.elastic_resumes(run, tol=...)`` makes one. ``table`` has a row per round: ``round``,
+    ``world_size``, ``restart`` (the highest restart count torchrun gave its ranks),
+    ``resumed_from``, ``saved_before`` (the last checkpoint the round before saved), ``first_step``,
+    ``redone`` (the steps the round before had already trained), ``compared`` (how many of them
+    both rounds logged in full) and ``max_gap`` (the largest loss difference among those).
+    ``check(ckpt_every=...)`` asserts that every restart went on from the last checkpoint, with
+    nothing skipped, fewer than ``ckpt_every`` steps redone, each redone step's loss within
+    ``tol``, at least one redone step compared in the whole run, and every step trained.
+    """
+
+    def __init__(self, table, steps: set, tol: float):
+        self.table, self.steps, self.tol = table, steps, tol
+
+    def check(self, *, ckpt_every: int) -> "Resumes":
+        """Raise AssertionError naming the first restart that lost, skipped or changed something.
+
+        An empty comparison fails too: a run whose redone steps were all lost (or that redid
+        none) cannot show that a restart restored the model, so it proves nothing.
+        """
+        import pandas as pd
+
+        for row in self.table.iloc[1:].itertuples():
+            where = f"round {row.round} ({row.world_size} rank(s))"
+            assert not pd.isna(row.resumed_from), f"{where} did not resume from a checkpoint"
+            assert not pd.isna(row.saved_before) and row.resumed_from == row.saved_before, (
+                f"{where} resumed from step {row.resumed_from}, but the round before had saved step "
+                f"{row.saved_before}: it read an older checkpoint, or none")
+            assert row.first_step == row.resumed_from + 1, (
+                f"{where} resumed from step {row.resumed_from} but trained first step "
+                f"{row.first_step}: steps were skipped")
+            assert len(row.redone) < ckpt_every, (
+                f"{where} redid steps {row.redone}: {ckpt_every} or more, so a checkpoint was missed")
+            assert not row.compared or row.max_gap <= self.tol, (
+                f"{where} redid steps {row.redone} with losses up to {row.max_gap:.2e} away from the "
+                f"first time (tolerance {self.tol:.0e}): the resumed state is not the saved one (were "
+                f"the model's weights loaded?)")
+        assert self.table["compared"].sum() > 0, (
+            "no step done twice could be compared (none redone, or their lines were lost with a "
+            "killed node): nothing shows that a restart restored the model and optimizer. Kill a "
+            "node between two checkpoints, and have the script flush its metrics lines.")
+        last = max(self.steps)
+        missed = sorted(set(range(1, last + 1)) - self.steps)
+        assert not missed, f"steps {missed} were never trained (in any round)"
+        return self
+
+    def __repr__(self) -> str:
+        return self.table.to_string(index=False)
+
+    def _repr_html_(self) -> str:
+        return self.table.to_html(index=False)
+
+
+def elastic_resumes(run, *, tol: float) -> Resumes:
+    """What each restart of an elastic run resumed from and redid, for ``.check()`` (lesson 10).
+
+    Args:
+        run: an elastic ``Run`` whose script logs ``loss`` every step, ``resumed_from`` when it
+            resumes and ``checkpoint_saved`` when it saves (as lesson 10's does).
+        tol: the largest loss difference allowed between a step and the same step done again.
+
+    Returns:
+        a ``Resumes``: ``.table`` (one row per round) and ``.check(ckpt_every=...)``.
+
+    Example (lesson 10)::
+
+        labkit.elastic_resumes(run, tol=1e-4).check(ckpt_every=5)
+    """
+    import pandas as pd
+
+    rounds = elastic_rounds(run)
+    losses = elastic_losses(run).set_index(["round", "step"])["loss"]
+    df = run.metrics()
+    starts = _assign_rounds(df)
+    df["round"] = [sum(t >= s for s in starts) - 1 for t in df["time"]]
+    restarts = df.groupby("round")["restart"].max() if "restart" in df else {}
+    rows, previous = [], None
+    for row in rounds.itertuples():
+        redone, gaps = [], []
+        if previous is not None and not pd.isna(row.resumed_from) and not pd.isna(previous.last_step):
+            redone = list(range(int(row.resumed_from) + 1, int(previous.last_step) + 1))
+            gaps = [abs(losses[row.round, s] - losses[previous.round, s]) for s in redone
+                    if (row.round, s) in losses.index and (previous.round, s) in losses.index]
+        rows.append({"round": row.round, "world_size": row.world_size,
+                     "restart": int(restarts.get(row.round, 0)),
+                     "resumed_from": row.resumed_from,
+                     "saved_before": None if previous is None else previous.last_checkpoint,
+                     "first_step": row.first_step, "redone": redone, "compared": len(gaps),
+                     "max_gap": max(gaps) if gaps else float("nan")})
+        previous = row
+    table = pd.DataFrame(rows).astype({"resumed_from": "Int64", "saved_before": "Int64",
+                                       "first_step": "Int64"})
+    return Resumes(table, set(losses.index.get_level_values("step")), tol)
+
+
 def plot_elastic(run, *, axes=None, title: str | None = None):
     """World size and loss over time, with the moments nodes left and joined (lesson 10).
 

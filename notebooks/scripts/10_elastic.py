@@ -189,6 +189,7 @@ while step < total_steps:  # a resumed run starts part-way: count steps, not epo
                         samples=args.log_every * batch_size, epoch=epoch,
                         batch_fp=hash(tuple(y.tolist())) % 1_000_000_007)  # which data
             window_loss.zero_()
+            metrics.flush()  # on disk now: a node killed next keeps this step's line, to compare
         if step == args.crash_at_step and rank == args.crash_rank and restart == 0:
             raise RuntimeError(f"fault drill: rank {rank} crashes at step {step}")
         if step % args.ckpt_every == 0:

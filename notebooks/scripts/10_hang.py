@@ -17,6 +17,7 @@ parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--skip-step", type=int, default=2, help="the step whose all_reduce rank 1 skips")
 parser.add_argument("--timeout", type=float, default=1800,
                     help="seconds a collective may wait before it fails (gloo's default: 30 min)")
+parser.add_argument("--flight-dump", action="store_true", help="write the flight record on a failure")
 args = parser.parse_args()
 
 # gloo on every machine: a hang is about the order of collectives, not about the device.
@@ -41,7 +42,7 @@ try:
     dist.barrier()  # nobody leaves before everybody is done
 except RuntimeError:
     # gloo writes no flight record by itself: dump ours now, while we know something is wrong.
-    if int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0")) > 0:
+    if args.flight_dump:  # the recorder itself is on by default: 2000 calls in PyTorch 2.14
         from torch._C._distributed_c10d import _dump_fr_trace  # no public name for it yet
         prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", "/tmp/nccl_trace_rank_")
         with open(f"{prefix}{rank}.tmp", "wb") as f:  # another name until it is whole

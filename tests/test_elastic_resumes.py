@@ -1,0 +1,103 @@
+"""labkit.elastic_resumes: each restart of an elastic run set against the round before (lesson 10).
+
+Run folders written by hand show each way a restart can go wrong, and the check naming it; an
+empty comparison (no step done twice, or their lines lost with a killed node) fails instead of
+passing. A real drill of lesson 10's script, in a copy that forgets to load the model's weights
+when it resumes, is caught by its losses; the script as the lesson writes it passes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import labkit
+from labkit import _rundir
+from conftest import ROOT
+
+
+def _run(tmp_path, lines: dict, name="el"):
+    """A run folder with the given metrics lines ({rank: [record, ...]})."""
+    run_dir = _rundir.create(tmp_path, name)
+    for rank, records in lines.items():
+        with open(_rundir.metrics_file(run_dir, rank), "a") as f:
+            for record in records:
+                f.write(json.dumps({"rank": rank, **record}) + "\n")
+    return labkit.Run(run_dir, {"name": name, "nproc": 1, "start_time": 1000.0})
+
+
+def _drill(tmp_path, *, redo_loss=None, resumed_from=5, lose_rank1_after=7, name="el"):
+    """Two ranks to step 7 (checkpoint at 5), then one rank resumed from ``resumed_from`` to 10.
+    ``redo_loss``: the loss the second round logs for the steps it does again (default: the
+    same as the first time); rank 1's lines after ``lose_rank1_after`` are lost with its node."""
+    t = 1000.0
+    first = [dict(step=s, world_size=2, restart=0, time=t + s, loss=1.0 / s) for s in range(1, 8)]
+    saved = [dict(step=5, world_size=2, restart=0, time=t + 5.1, checkpoint_saved=5)]
+    second = [dict(step=resumed_from, world_size=1, restart=1, time=t + 20, resumed_from=resumed_from)]
+    second += [dict(step=s, world_size=1, restart=1, time=t + 20 + s,
+                    loss=(redo_loss if redo_loss is not None and s <= 7 else 1.0 / s))
+               for s in range(resumed_from + 1, 11)]
+    rank1 = [dict(r, time=r["time"] + 0.01) for r in first if r["step"] <= lose_rank1_after]
+    return _run(tmp_path, {0: first + saved + second, 1: rank1}, name)
+
+
+def test_a_restart_that_redid_its_steps_alike_passes(tmp_path):
+    resumes = labkit.elastic_resumes(_drill(tmp_path), tol=1e-6).check(ckpt_every=5)
+    row = resumes.table.iloc[1]
+    assert (row["resumed_from"], row["saved_before"], row["redone"], row["compared"]) == (5, 5, [6, 7], 2)
+    assert list(resumes.table["restart"]) == [0, 1]
+    assert "redone" in repr(resumes) and "<table" in resumes._repr_html_()
+
+
+def test_other_losses_on_the_redone_steps_fail(tmp_path):
+    """A resume that did not load the weights trains the same steps from elsewhere."""
+    with pytest.raises(AssertionError, match=r"round 1 .* redid steps \[6, 7\] with losses up to .*"
+                                             r"were the model.s weights loaded"):
+        labkit.elastic_resumes(_drill(tmp_path, redo_loss=2.3), tol=1e-4).check(ckpt_every=5)
+
+
+def test_nothing_compared_fails_instead_of_passing(tmp_path):
+    """Rank 1's lines for steps 6 and 7 were lost with its node: no step done twice is whole."""
+    resumes = labkit.elastic_resumes(_drill(tmp_path, lose_rank1_after=5), tol=1e-4)
+    assert resumes.table["compared"].sum() == 0
+    with pytest.raises(AssertionError, match="no step done twice could be compared"):
+        resumes.check(ckpt_every=5)
+
+
+def test_an_older_checkpoint_is_named(tmp_path):
+    with pytest.raises(AssertionError, match=r"resumed from step 3, but the round before had saved step 5"):
+        labkit.elastic_resumes(_drill(tmp_path, resumed_from=3), tol=1e-4).check(ckpt_every=5)
+
+
+@pytest.fixture
+def elastic_script(workdir):
+    shutil.copy(ROOT / "notebooks" / "scripts" / "10_elastic.py", workdir / "elastic.py")
+    labkit.write_variant(workdir / "elastic.py", workdir / "forgetful.py", {
+        '    raw_model.load_state_dict(state["model"])\n': ""})
+    return workdir
+
+
+ARGS = ["--synthetic", "--workers", "0", "--train-size", "512", "--test-size", "32", "--width", "8",
+        "--global-batch", "32", "--epochs", "100", "--log-every", "1", "--norm", "group",
+        "--ckpt-every", "5", "--step-pause", "0.05", "--timeout", "30"]
+
+
+def _drill_of(script: str, folder: str):
+    """Node 1 dies after step 12, between checkpoints; then node 0, the store's host."""
+    try:
+        return labkit.launch(script, nproc=1, nnodes=2, min_nodes=1, max_restarts=3, device="cpu",
+                             quiet=True, timeout_s=300, args=ARGS + ["--ckpt-dir", folder],
+                             events=[labkit.kill_node(1, at_step=12), labkit.kill_node(0, world_size=1)])
+    except labkit.LaunchError as err:  # every node killed: labkit may call that a failure
+        return err.run
+
+
+@pytest.mark.launch
+def test_a_real_resume_that_forgets_the_weights_is_caught(elastic_script):
+    good = labkit.elastic_resumes(_drill_of("elastic.py", "ckpt-good"), tol=1e-4).check(ckpt_every=5)
+    assert good.table["compared"].sum() >= 1  # step 11 at least: every rank flushed it before 12
+    forgetful = labkit.elastic_resumes(_drill_of("forgetful.py", "ckpt-bad"), tol=1e-4)
+    with pytest.raises(AssertionError, match="were the model's weights loaded"):
+        forgetful.check(ckpt_every=5)
