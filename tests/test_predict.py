@@ -90,6 +90,23 @@ def test_grade_prints_one_line_with_the_gap_and_why(capsys):
     assert math.isclose(graded.gap, 0.03 / 1.23)
 
 
+def test_a_grade_as_a_cells_last_value_is_not_shown_twice(capsys):
+    """In a notebook, ``p.grade(...)`` as a cell's last line printed its line; the Grade it
+    returns then shows nothing more (no ``Grade('...')`` echo under the line)."""
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    try:
+        graded = labkit.predict("buckets per step", unit="buckets", guess=2).grade(2)
+        capsys.readouterr()
+        # What a kernel publishes for a cell's last value: nothing for a Grade (ipykernel
+        # sends no result with no data), an ordinary value's repr for anything else.
+        assert shell.display_formatter.format(graded) == ({}, {})
+        assert capsys.readouterr().out == ""
+        assert "text/plain" in shell.display_formatter.format(object())[0]
+    finally:
+        InteractiveShell.clear_instance()
+
+
 def test_no_guess_is_one_line_and_never_an_error(capsys):
     p = labkit.predict("all-reduces saved by no_sync", unit="all-reduces")
     capsys.readouterr()

@@ -99,6 +99,9 @@ class Grade:
     def __repr__(self) -> str:
         return f"Grade({self.line!r})"
 
+    def _ipython_display_(self) -> None:
+        """As a cell's last value, a Grade shows nothing more: ``grade`` printed its line."""
+
 
 class Prediction:
     """A question the learner answers with a number before a launch; ``labkit.predict`` makes one.
