@@ -102,6 +102,16 @@ def test_the_progress_line_shows_the_latest_step_s_loss_averaged_over_ranks(view
     assert live._progress("ok").endswith("step 10 · loss 3.0000")
 
 
+def test_several_losses_per_rank_and_step_are_not_counted_as_ranks(view):
+    """Lesson 13 logs one loss per strategy on each rank: 2 ranks, not 4."""
+    live, clock, handle = view
+    for rank in (0, 1):
+        log(live.run_dir, rank, 5, 1.0, loss=1.0, strategy="ddp")
+        log(live.run_dir, rank, 5, 1.1, loss=3.0, strategy="zero3")
+    live._read()
+    assert live._progress("ok").endswith("step 5 · loss 2.0000 (mean of 4 lines from 2 ranks)")
+
+
 def test_finishing_without_a_loss_leaves_the_progress_line(view):
     live, clock, handle = view
     log(live.run_dir, 0, 0, clock.now, samples=4)

@@ -146,7 +146,12 @@ class LiveView:
         latest = max((r.get("restart", 0), r["step"]) for r in losses)
         at = [r["loss"] for r in losses if (r.get("restart", 0), r["step"]) == latest]
         mean = sum(at) / len(at)
-        return f"loss {mean:.4f}" + (f" (mean of {len(at)} ranks)" if len(at) > 1 else "")
+        ranks = len({r.get("rank") for r in losses if (r.get("restart", 0), r["step"]) == latest})
+        if len(at) == 1:
+            return f"loss {mean:.4f}"
+        # A script may log several losses per rank and step (lesson 13 trains six strategies).
+        lines = "" if len(at) == ranks else f"{len(at)} lines from "
+        return f"loss {mean:.4f} (mean of {lines}{ranks} rank{'s' * (ranks > 1)})"
 
     def _figure(self, title: str):
         """The loss of every rank so far, restarts marked where each attempt resumed; None
