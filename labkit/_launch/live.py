@@ -131,7 +131,7 @@ class LiveView:
         if now["samples_per_s"] is not None:
             parts.append(f"{now['samples_per_s']:,.0f} samples/s")
         if running and now["eta_s"] is not None:
-            parts.append(f"about {duration(now['eta_s'])} left")
+            parts.append(f"about {duration(now['eta_s'])} left" if now["eta_s"] >= 0.5 else "almost done")
         elif running and now["total"] is None:
             parts.append("no ETA (the script logs no total_steps)")
         return parts
