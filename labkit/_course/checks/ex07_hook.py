@@ -3,10 +3,10 @@
 The skeleton wraps the model in DDP with small buckets, registers the learner's hook, profiles
 one training step and saves each rank's trace in the run folder. It logs each step's loss and
 what the hook says it sent (``hook_bytes``, ``hook_calls``), and at the end how far apart the
-ranks' weights are. The check reads the profiled step's trace as lesson 07 does
-(``labkit.read_trace``): the bytes and type of every all-reduce, and
-whether gradient computations ran while an all-reduce was in flight. It trains the same model
-on the same batches in float32, in one process, to follow the learner's loss.
+ranks' weights are. In the profiled step its last rank starts late. The check reads that step's
+trace as lesson 07 does (``labkit.read_trace``): the bytes and type of every all-reduce, and
+whether rank 0's backward pass went on while an all-reduce waited for the late rank. It trains
+the same model on the same batches in float32, in one process, to follow the learner's loss.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ HINTS = [
 ]
 
 #: The settings the skeleton logs at step 0.
-SETTINGS = ["steps", "batch_size", "width", "lr", "seed", "profile_step", "param_bytes"]
+SETTINGS = ["steps", "batch_size", "width", "lr", "seed", "profile_step", "late_s", "param_bytes"]
 #: How far the loss of any step may be from float32 training's (bf16 rounds to ~3 digits).
 LOSS_TOL = 0.02
 _TYPES = {"c10::BFloat16": "bfloat16", "c10::Half": "float16", "float": "float32", "double": "float64"}
@@ -64,7 +64,7 @@ def check_hook(target="scripts/ex07_hook.py", *, timeout_s: float = 240) -> Feed
     traces = _traces(feedback, run)
     sent = _bytes_halved(feedback, traces, int(setting["param_bytes"]))
     _counted(feedback, df, traces, int(setting["profile_step"]), sent)
-    _overlap(feedback, traces, int(setting["profile_step"]))
+    _overlap(feedback, traces, int(setting["profile_step"]), float(setting["late_s"]))
     _averaged(feedback, df, setting, run.nproc)
     return feedback
 
@@ -145,33 +145,38 @@ def _counted(feedback: Feedback, df, traces: dict, step: int, sent: int | None) 
                       f"each bucket.", hint=2)
 
 
-def _overlap(feedback: Feedback, traces: dict, step: int) -> None:
-    """The hook returned at once: the backward pass went on while its all-reduces ran.
+def _overlap(feedback: Feedback, traces: dict, step: int, late_s: float) -> None:
+    """The hook returned at once: rank 0's backward pass went on while its all-reduce waited.
 
-    Each all-reduce starts inside the gradient computation whose hook sent it. A hook that waits
-    holds that computation open until its all-reduce is done; one that returns a future lets it
-    end at once. So: the share of all-reduce time spent inside the computation that sent it.
-    (The all-reduce's own record ends a little after its future completes, so "a computation
-    started during an all-reduce" would not tell the two apart.)"""
+    The skeleton starts the last rank ``late_s`` late in the profiled step, so rank 0's first
+    all-reduce lasts at least that long. It starts inside the gradient computation whose hook
+    sent it. A hook that waits holds that computation open until the all-reduce is done (nearly
+    all of the all-reduce's time passes inside it); one that returns a future lets it end at once
+    (almost none does). Judged on that long all-reduce alone: the short ones may finish before
+    any hook returns, and would look the same either way on a busy machine."""
     trace = traces[0]  # the profiled step alone: the skeleton profiles one step, without a schedule
     compute = trace[trace["name"].str.startswith("autograd::engine::evaluate_function")]
     comm = trace[trace["collective"] == "all_reduce"]
     if comm.empty or compute.empty or (trace["device"] == "gpu").any():
         return  # GPUs: NCCL's kernels run on their own stream whether or not the hook waits
-    held = 0.0
-    for c in comm.itertuples():
-        sender = compute[(compute["start_ms"] <= c.start_ms) & (compute["end_ms"] > c.start_ms)]
-        if len(sender):
-            held += min(float(sender["end_ms"].max()), c.end_ms) - c.start_ms
-    share = held / float(comm["dur_ms"].sum()) if comm["dur_ms"].sum() > 0 else 0.0
+    longest = comm.loc[comm["dur_ms"].idxmax()]
+    if longest["dur_ms"] < 500 * late_s:
+        feedback.stop(f"rank 0's longest all-reduce in step {step} took {longest['dur_ms']:.1f} ms, and the "
+                      f"last rank starts that step {1000 * late_s:.0f} ms late: keep the skeleton's "
+                      f"time.sleep(args.late_s) inside the profiled step, so that the check can see "
+                      f"whether your hook waits.")
+    sender = compute[(compute["start_ms"] <= longest["start_ms"]) & (compute["end_ms"] > longest["start_ms"])]
+    held = (min(float(sender["end_ms"].max()), float(longest["end_ms"])) - float(longest["start_ms"])
+            if len(sender) else 0.0)
+    share = held / float(longest["dur_ms"])
     feedback.expect(share < 0.5,
-                    f"your hook returned without waiting: the backward pass went on while its all-reduces ran "
-                    f"(rank 0's trace of step {step}: {share:.0%} of all-reduce time inside the computation "
-                    f"that sent it)",
-                    f"the hook waited for each all-reduce before the backward pass went on: {share:.0%} of "
-                    f"all-reduce time passed inside the gradient computation that sent it (rank 0's trace of "
-                    f"step {step}). Return the future without calling .wait(), and all-reduce with "
-                    f"async_op=True.", hint=3)
+                    f"your hook returned without waiting: rank 0's backward pass went on while its first "
+                    f"all-reduce waited {longest['dur_ms']:.0f} ms for the late rank (step {step}: "
+                    f"{share:.0%} of that time inside the computation that sent it)",
+                    f"the hook waited for each all-reduce before the backward pass went on: rank 0's "
+                    f"all-reduce waited {longest['dur_ms']:.0f} ms for the late rank, and {share:.0%} of that "
+                    f"time passed inside the gradient computation that sent it (step {step}). Return the "
+                    f"future without calling .wait(), and all-reduce with async_op=True.", hint=3)
 
 
 def _float32_losses(seed: int, world: int, batch_size: int, width: int, lr: float, steps: int) -> list:
