@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pandas as pd
+import numpy as np
 import pytest
 
 import labkit
@@ -95,6 +96,29 @@ def test_the_table_has_both_bandwidths_and_the_prediction_uses_the_all_reduce():
         bw.predict_s(2**20, world_size=0)
     with pytest.raises(ValueError, match=r"nbytes must be a number of bytes >= 0, got -1. HINT"):
         bw.predict_s(-1)
+
+
+def test_a_fit_can_leave_sizes_out_and_use_the_fastest_call():
+    rows, sizes = [], [2**10, 2**14, 2**18, 2**20]
+    for size, seconds in zip(sizes, _ring_times(sizes, 3, 30e-6, 1.0)):
+        measured = size // 4 // 3 * 3 * 4  # rounded down to whole float32 elements per rank
+        slow = 10 * seconds if size == 2**18 else seconds  # a paused rank: only the median sees it
+        rows.append({"rank": 0, "step": len(rows), "op": "all_reduce", "size_bytes": measured,
+                     "time_s": slow, "time_min_s": seconds, "time_max_s": slow, "iters": 20})
+    bw = Bandwidth(_Measured(rows), world_size=3, device="cpu", backend="gloo")
+    assert list(bw.rows_of([2**18])["size_bytes"]) == [2**18 // 12 * 12]
+    fastest = bw.fit(stat="min")
+    assert fastest.busbw_GBps == pytest.approx(1.0, rel=1e-3) and fastest.max_error < 1e-3
+    assert bw.fit().max_error > 0.1  # the median holds the paused rank's tick
+    clean = bw.fit(leave_out=[2**18])  # the fit never sees the size that went wrong
+    assert clean.busbw_GBps == pytest.approx(1.0, rel=1e-3) and clean.max_error < 1e-3
+    assert clean.time_s(2**18 // 12 * 12) == pytest.approx(rows[2]["time_min_s"], rel=1e-3)
+    with pytest.raises(ValueError, match=r"2.93 KiB \(3,000 bytes\) was not measured for all_reduce; measured: "
+                                         r"1020 B, .* HINT: pass it in labkit.bandwidth"):
+        bw.fit(leave_out=[3000])
+    with pytest.raises(ValueError, match=r"stat must be 'median' or 'min', got 'mean'. HINT"):
+        bw.fit(stat="mean")
+    assert bw.fit().time_s(np.int64(2**20)) > 0  # numpy's integers are numbers of bytes too
 
 
 def test_the_chart_has_one_line_per_collective_on_log_sizes():

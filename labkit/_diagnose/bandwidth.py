@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +39,8 @@ def format_bytes(nbytes: float) -> str:
     """'64 KiB', '1 MiB', '512 B': a message size as the tables and the chart say it."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes:g} B"
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes:.4g} B"
 
 
 def default_sizes(device: str, smoke: bool) -> list[int]:
@@ -78,7 +79,8 @@ class AlphaBeta:
         """Predicted seconds for one ``op`` of ``nbytes`` on ``world_size`` ranks (default: the
         measured world). 0 on one rank: nothing to send."""
         world = self.world_size if world_size is None else _positive_int("world_size", world_size)
-        if not isinstance(nbytes, (int, float)) or nbytes < 0 or not math.isfinite(nbytes):
+        if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or nbytes < 0 \
+                or not math.isfinite(nbytes):
             raise ValueError(f"nbytes must be a number of bytes >= 0, got {nbytes!r}. "
                              f"HINT: e.g. labkit.allreduce_bytes(...) of a lesson run, or 25 * 2**20.")
         return bus_factor(self.op, world) * (world * self.latency_s + nbytes / (self.busbw_GBps * 1e9))
@@ -147,11 +149,47 @@ class Bandwidth:
                    "time_min_us", "time_max_us", "iters"]
         return df[columns].astype({"size_bytes": int, "iters": int}).reset_index(drop=True)
 
-    def fit(self, op: str = "all_reduce") -> AlphaBeta:
-        """The alpha-beta model of ``op`` fitted to this measurement (see ``AlphaBeta``)."""
+    def fit(self, op: str = "all_reduce", *, leave_out=(), stat: str = "median") -> AlphaBeta:
+        """The alpha-beta model of ``op`` fitted to this measurement (see ``AlphaBeta``).
+
+        Args:
+            op: which collective.
+            leave_out: sizes (bytes, as asked for) the fit must not see, to test it on them. A
+                size is matched to the one measured, which is rounded down to whole float32
+                elements per rank.
+            stat: "median" (nccl-tests' habit) or "min": the fastest timed call of each size,
+                what the link does when nothing else gets in the way (on CPU ranks that share
+                cores, the median may hold a rank that the system paused for a tick).
+
+        Example (lesson 07)::
+
+            ring = bw.fit(leave_out=[GRAD_BYTES], stat="min")
+            ring.time_s(GRAD_BYTES)     # a size the fit did not see: compare with bw.table()
+        """
+        if stat not in ("median", "min"):
+            raise ValueError(f"stat must be 'median' or 'min', got {stat!r}. HINT: stat='min' on "
+                             f"CPU ranks that share cores.")
         rows = self.table()
         rows = rows[rows["op"] == _check_op(op, set(rows["op"]))]
-        return fit_alpha_beta(op, self.world_size, rows["size_bytes"], rows["time_us"] / 1e6)
+        held = self.rows_of(leave_out, op)
+        rows = rows.drop(index=held.index)
+        column = "time_us" if stat == "median" else "time_min_us"
+        return fit_alpha_beta(op, self.world_size, rows["size_bytes"], rows[column] / 1e6)
+
+    def rows_of(self, sizes, op: str = "all_reduce"):
+        """The rows of ``table()`` measured for ``sizes`` (bytes, as asked for: each matched to
+        the size measured, rounded down to whole float32 elements per rank)."""
+        rows = self.table()
+        rows = rows[rows["op"] == _check_op(op, set(rows["op"]))]
+        found = []
+        for size in _check_sizes(sizes) if len(list(sizes)) else []:
+            match = rows[(rows["size_bytes"] <= size) & (rows["size_bytes"] > size - 4 * self.world_size)]
+            if match.empty:
+                raise ValueError(f"{format_bytes(size)} ({size:,} bytes) was not measured for {op}; "
+                                 f"measured: {', '.join(map(format_bytes, rows['size_bytes']))}. HINT: "
+                                 f"pass it in labkit.bandwidth(sizes=[...]).")
+            found.append(match.index[0])
+        return rows.loc[found]
 
     def predict_s(self, nbytes: float, world_size: int | None = None, op: str = "all_reduce") -> float:
         """Seconds for one ``op`` of ``nbytes`` on ``world_size`` ranks, from the fitted
@@ -225,7 +263,7 @@ def bandwidth(nproc=None, *, device="auto", sizes=None, ops=OPS, warmup=None, it
         sizes: bytes of each message (default: 1 KiB to 1 MiB in smoke mode, to 64 MiB on CPU
             ranks, to 1 GiB on GPUs; each 4 times the last).
         ops: which of "all_reduce", "all_gather", "reduce_scatter".
-        warmup, iters: calls left out, calls timed (default 2 and 5 in smoke mode, else 5 and 20).
+        warmup, iters: calls left out, calls timed (default 2 and 20 in smoke mode, else 5 and 20).
         timeout_s, name, runs_dir, quiet: as for ``labkit.launch``.
 
     Returns:
@@ -253,7 +291,7 @@ def bandwidth(nproc=None, *, device="auto", sizes=None, ops=OPS, warmup=None, it
         raise ValueError(f"ops is empty. HINT: e.g. ops=['all_reduce'], or leave it out for {OPS}.")
     sizes = default_sizes(resolve_device(device), smoke) if sizes is None else _check_sizes(sizes)
     warmup = (2 if smoke else 5) if warmup is None else warmup
-    iters = (5 if smoke else 20) if iters is None else _positive_int("iters", iters)
+    iters = 20 if iters is None else _positive_int("iters", iters)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0, got {warmup!r}. HINT: e.g. warmup=5.")
     args = ["--sizes", ",".join(map(str, sizes)), "--ops", ",".join(dict.fromkeys(ops)),
