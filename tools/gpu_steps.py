@@ -12,6 +12,7 @@ keeps the last value), so a misspelt flag or a broken check is found before the 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -148,6 +149,33 @@ def tensor_parallel_bf16(ctx) -> str:
     return f"loss within {drift.max():.4f} of float32 (tolerance 0.05); {halved}"
 
 
+def nvtx_ranges(ctx) -> str:
+    """Lesson 07: ``--nvtx`` turns the script's phases into NVTX ranges, which Nsight Systems
+    (``nsys``, where installed) lists. A rehearsal checks that the script refuses it on CPU."""
+    tiny = ["--synthetic", "--train-size", "256", "--width", "8", "--batch-size", "32", "--workers", "0",
+            "--epochs", "1", "--log-every", "2", "--nvtx"]
+    if not ctx.gpu:
+        refused = subprocess.run([sys.executable, "scripts/07_profiling.py", *tiny], env=ctx.env(cpu=True),
+                                 capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and "--nvtx needs a GPU" in refused.stderr, refused.stderr[-500:]
+        return "--nvtx refused on CPU, as the script says"
+    nsys = shutil.which("nsys")
+    if nsys is None:
+        run = ctx.launch("scripts/07_profiling.py", nproc=1, args=tiny, name="07-nvtx")
+        raise Skip(f"trained with --nvtx ({run.run_dir.name}), but Nsight Systems (nsys) is not installed "
+                   f"here: its NVTX ranges were not read")
+    report = ctx.runs_dir / "07-nvtx"
+    done = subprocess.run([nsys, "profile", "--trace=cuda,nvtx", "--force-overwrite=true", "-o", str(report),
+                           sys.executable, "scripts/07_profiling.py", *tiny], env=ctx.env(),
+                          capture_output=True, text=True, timeout=ctx.left_s())
+    assert done.returncode == 0, done.stderr[-1500:]
+    stats = subprocess.run([nsys, "stats", "--report", "nvtx_sum", "--format", "csv", f"{report}.nsys-rep"],
+                           capture_output=True, text=True, timeout=ctx.left_s())
+    found = [name for name in ("forward", "backward", "optimizer") if re.search(rf"\b{name}\b", stats.stdout)]
+    assert found == ["forward", "backward", "optimizer"], stats.stdout[-2000:] + stats.stderr[-500:]
+    return f"Nsight Systems lists the NVTX ranges {', '.join(found)} ({report}.nsys-rep)"
+
+
 def nccl_one_rank(ctx) -> str:
     """NCCL (gloo in a rehearsal) on one rank: labkit.bandwidth's collectives over sizes."""
     sizes = [2**k for k in range(10, 31, 4)] if ctx.gpu else [2**10, 2**16]
@@ -183,6 +211,7 @@ STEPS = [
     ("fp16 + GradScaler", "08", fp16_gradscaler),
     ("MFU vs datasheet", "08", mfu),
     ("bf16 tensor parallel", "11", tensor_parallel_bf16),
+    ("NVTX for Nsight Systems", "07", nvtx_ranges),
     ("NCCL, one rank", "07", nccl_one_rank),
     ("context_parallel API", "14", context_parallel_api),
 ]

@@ -37,6 +37,7 @@ parser.add_argument("--profile-after", type=int, default=4, help="steps to run b
 parser.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP's gradient bucket size")
 parser.add_argument("--comm-hook", choices=["none", "bf16", "fp16", "powersgd"], default="none",
                     help="compress the gradients DDP all-reduces")
+parser.add_argument("--nvtx", action="store_true", help="GPU: NVTX ranges for Nsight Systems")
 args = parser.parse_args()
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start and stop notes: off
 
@@ -106,6 +107,10 @@ if args.profile_steps:  # not the first steps: DDP rebuilds its buckets after st
                        schedule=schedule(wait=args.profile_after, warmup=1,
                                          active=args.profile_steps, repeat=1))
     profiler.start()
+if args.nvtx:  # Nsight Systems: every operator and the phases below become NVTX ranges
+    if device.type != "cuda" or args.profile_steps:
+        parser.error("--nvtx needs a GPU, and no --profile-steps (one profiler at a time)")
+    torch.autograd.profiler.emit_nvtx().__enter__()  # on until the process ends
 
 step = 0
 window_loss = torch.zeros((), device=device)  # summed on the device: no sync per step
