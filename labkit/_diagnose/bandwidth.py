@@ -169,27 +169,32 @@ class Bandwidth:
         if stat not in ("median", "min"):
             raise ValueError(f"stat must be 'median' or 'min', got {stat!r}. HINT: stat='min' on "
                              f"CPU ranks that share cores.")
-        rows = self.table()
-        rows = rows[rows["op"] == _check_op(op, set(rows["op"]))]
-        held = self.rows_of(leave_out, op)
-        rows = rows.drop(index=held.index)
+        rows = self._rows(op)
+        rows = rows.drop(index=self._matched(rows, leave_out, op))
         column = "time_us" if stat == "median" else "time_min_us"
         return fit_alpha_beta(op, self.world_size, rows["size_bytes"], rows[column] / 1e6)
 
     def rows_of(self, sizes, op: str = "all_reduce"):
         """The rows of ``table()`` measured for ``sizes`` (bytes, as asked for: each matched to
         the size measured, rounded down to whole float32 elements per rank)."""
+        rows = self._rows(op)
+        return rows.loc[self._matched(rows, sizes, op)]
+
+    def _rows(self, op: str):
         rows = self.table()
-        rows = rows[rows["op"] == _check_op(op, set(rows["op"]))]
+        return rows[rows["op"] == _check_op(op, set(rows["op"]))]
+
+    def _matched(self, rows, sizes, op: str) -> list:
+        """The index of the row measured for each of ``sizes`` (none: an empty list)."""
         found = []
-        for size in _check_sizes(sizes) if len(list(sizes)) else []:
+        for size in _check_sizes(sizes) if list(sizes) else []:
             match = rows[(rows["size_bytes"] <= size) & (rows["size_bytes"] > size - 4 * self.world_size)]
             if match.empty:
                 raise ValueError(f"{format_bytes(size)} ({size:,} bytes) was not measured for {op}; "
                                  f"measured: {', '.join(map(format_bytes, rows['size_bytes']))}. HINT: "
                                  f"pass it in labkit.bandwidth(sizes=[...]).")
             found.append(match.index[0])
-        return rows.loc[found]
+        return found
 
     def predict_s(self, nbytes: float, world_size: int | None = None, op: str = "all_reduce") -> float:
         """Seconds for one ``op`` of ``nbytes`` on ``world_size`` ranks, from the fitted
