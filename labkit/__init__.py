@@ -107,7 +107,7 @@ _LAZY = {
     "flight_records": "labkit._diagnose.flight",
     "bandwidth": "labkit._diagnose.bandwidth",    # lesson 07: what the links carry
     "Bandwidth": "labkit._diagnose.bandwidth",
-    "AlphaBeta": "labkit._diagnose.bandwidth",
+    "AlphaBeta": "labkit._diagnose.ring",
     "preflight": "labkit._diagnose.preflight",    # lesson 09: before a launch on several nodes
     "Preflight": "labkit._diagnose.preflight",
     # the machine

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import labkit
-from labkit._diagnose.bandwidth import Bandwidth, bus_factor, default_sizes, fit_alpha_beta, format_bytes
+from labkit._diagnose.bandwidth import (Bandwidth, _tick_labels, bus_factor, default_sizes, fit_alpha_beta,
+                                        format_bytes)
 
 
 def test_bus_bandwidth_follows_nccl_tests():
@@ -128,6 +129,13 @@ def test_the_chart_has_one_line_per_collective_on_log_sizes():
     assert "bus bandwidth" in ax.get_ylabel()
     with pytest.raises(ValueError, match="y must be 'busbw_GBps' or 'algbw_GBps'"):
         _measured().plot(y="time_us")
+
+
+def test_a_size_asked_for_by_name_keeps_its_label_over_a_power_of_two_beside_it():
+    grads = 79_820  # 77.95 KiB: a model's gradients, between 64 KiB and 128 KiB
+    sizes = [2**10, 2**16, grads, 2**17, 2**18 // 12 * 12]  # the last rounded to 3 ranks' elements
+    assert _tick_labels(sizes) == ["1 KiB", "", "77.95 KiB", "128 KiB", "256 KiB"]
+    assert _tick_labels([2**10, 2**11, 2**12]) == ["1 KiB", "2 KiB", "4 KiB"]  # an octave apart: all
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -11,6 +11,7 @@ Owns:
     doctor   ``doctor``: the seat check (lesson 00, ``make doctor``)
     bandwidth  ``bandwidth``: collectives' algorithm and bus bandwidth over sizes, the
              alpha-beta model fitted to them (lesson 07)
+    ring     ``AlphaBeta``: that model of a ring collective, its bus factors and its fit
     preflight  ``preflight``: before a launch on several nodes, what will break (lesson 09,
              ``make doctor NODES=2``); ``findings`` says what the nodes' probes found
 

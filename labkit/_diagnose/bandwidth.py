@@ -13,7 +13,8 @@ message sizes (gloo on CPU ranks, NCCL on GPUs). Two rates come back for each:
 Predictions come from the alpha-beta model of a ring, fitted to the measured all-reduce:
 ``time = f(W) x (W x alpha + B / busbw)`` with f the bus factor above, so an all-reduce makes
 2(W-1) steps of latency alpha and moves 2(W-1)/W x B bytes through each link. It holds where
-the bigger world has the same links (one box, one fabric) and runs a ring; see ``AlphaBeta``.
+the bigger world has the same links (one box, one fabric) and runs a ring; see ``AlphaBeta``
+(``ring.py``).
 Kernel side: pandas, numpy and matplotlib load inside the functions that draw or fit.
 """
 
@@ -21,97 +22,18 @@ from __future__ import annotations
 
 import difflib
 import math
-import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
+from labkit._diagnose.ring import OPS, AlphaBeta, _positive_int, bus_factor, fit_alpha_beta, format_bytes
+
 _SCRIPT = Path(__file__).resolve().parents[1] / "_rank" / "collectives.py"
-
-
-def bus_factor(op: str, world_size: int) -> float:
-    """busbw / algbw for ``op`` on ``world_size`` ranks (nccl-tests): 2(n-1)/n or (n-1)/n."""
-    share = (world_size - 1) / world_size
-    return 2 * share if op == "all_reduce" else share
-
-
-def format_bytes(nbytes: float) -> str:
-    """'64 KiB', '1 MiB', '512 B': a message size as the tables and the chart say it."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.4g} {unit}"
-    return f"{nbytes:.4g} B"
 
 
 def default_sizes(device: str, smoke: bool) -> list[int]:
     """1 KiB up to 1 MiB (smoke), 64 MiB (CPU ranks) or 1 GiB (GPUs), each 4 times the last."""
     top = 20 if smoke else (30 if device == "cuda" else 26)
     return [2**p for p in range(10, top + 1, 2)]
-
-
-@dataclass(frozen=True)
-class AlphaBeta:
-    """The alpha-beta model of a ring collective, fitted to measured times at one world size.
-
-    ``time_s(B, W) = f(W) * (W * latency_s + B / (busbw_GBps * 1e9))``, f = ``bus_factor``:
-    a ring all-reduce takes 2(W-1) steps of ``latency_s`` each and sends 2(W-1)/W x B bytes
-    through every link at ``busbw_GBps``.
-
-    Limits: it assumes the bigger world has links as fast as the measured one (true inside one
-    box or one fabric; across nodes the slowest link sets busbw), and a ring (NCCL may choose a
-    tree or NVLS for some sizes and worlds, with a latency that grows as log W); CPU ranks that
-    share cores slow each other, which it does not know. ``max_error`` says how well it fits the
-    sizes it was fitted to; outside them it extrapolates.
-
-    Example (lesson 07)::
-
-        model = labkit.bandwidth(nproc=2).fit()
-        model.time_s(25 * 2**20, world_size=4)     # a 25 MiB all-reduce on 4 ranks, in seconds
-    """
-
-    op: str
-    world_size: int
-    latency_s: float
-    busbw_GBps: float
-    max_error: float
-
-    def time_s(self, nbytes: float, world_size: int | None = None) -> float:
-        """Predicted seconds for one ``op`` of ``nbytes`` on ``world_size`` ranks (default: the
-        measured world). 0 on one rank: nothing to send."""
-        world = self.world_size if world_size is None else _positive_int("world_size", world_size)
-        if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real) or nbytes < 0 \
-                or not math.isfinite(nbytes):
-            raise ValueError(f"nbytes must be a number of bytes >= 0, got {nbytes!r}. "
-                             f"HINT: e.g. labkit.allreduce_bytes(...) of a lesson run, or 25 * 2**20.")
-        return bus_factor(self.op, world) * (world * self.latency_s + nbytes / (self.busbw_GBps * 1e9))
-
-    def __str__(self) -> str:
-        return (f"{self.op} on {self.world_size} ranks: {self.latency_s * 1e6:.1f} us a step, "
-                f"busbw {self.busbw_GBps:.3g} GB/s (fits the measured sizes within "
-                f"{self.max_error:.0%})")
-
-
-def fit_alpha_beta(op: str, world_size: int, sizes, seconds) -> AlphaBeta:
-    """Least squares of ``time = a + b x size`` in relative error (small and large sizes count
-    alike), a >= 0, turned into the ring's latency per step and its bus bandwidth."""
-    import numpy as np
-
-    size, time = np.asarray(sizes, float), np.asarray(seconds, float)
-    weight = 1 / time**2
-    design = np.stack([np.ones_like(size), size], axis=1) * np.sqrt(weight)[:, None]
-    (a, b), *_ = np.linalg.lstsq(design, time * np.sqrt(weight), rcond=None)
-    if a < 0:  # no latency below zero: the line through the origin instead
-        a, b = 0.0, float((weight * size * time).sum() / (weight * size * size).sum())
-    if b <= 0 or world_size < 2:
-        raise ValueError(
-            f"cannot fit the {op} times on {world_size} rank(s): they do not grow with the size "
-            f"({', '.join(format_bytes(s) for s in size)}). HINT: measure on 2 ranks or more, "
-            f"with sizes up to a few MiB, e.g. labkit.bandwidth(nproc=2, sizes=[2**k for k in "
-            f"range(10, 24, 2)]).")
-    factor = bus_factor(op, world_size)
-    error = float(np.max(np.abs(a + b * size - time) / time))
-    return AlphaBeta(op, world_size, latency_s=float(a) / (factor * world_size),
-                     busbw_GBps=factor / float(b) / 1e9, max_error=error)
 
 
 @dataclass
@@ -214,7 +136,7 @@ class Bandwidth:
             ax.plot(rows["size_bytes"], rows[y], marker="o", label=op)
         ax.set_xscale("log", base=2)
         sizes = table["size_bytes"].unique()
-        ax.set_xticks(sizes, [format_bytes(s) for s in sizes], rotation=45, fontsize=8)
+        ax.set_xticks(sizes, _tick_labels(sizes), rotation=45, fontsize=8)
         ax.set_xlabel("message size (the whole tensor)")
         ax.set_ylabel(("bus" if y.startswith("bus") else "algorithm") + " bandwidth (GB/s)")
         ax.set_title(title or f"{self.world_size} ranks, {self.backend} on {self.device.upper()}")
@@ -226,10 +148,17 @@ class Bandwidth:
         return f"<Bandwidth: {self.world_size} ranks, {self.backend} on {self.device}; {self.run.run_dir}>"
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}. HINT: e.g. {name}=4.")
-    return value
+def _tick_labels(sizes, min_octaves: float = 0.6) -> list[str]:
+    """A label for each size on a log2 axis, leaving out those that would overlap a neighbour:
+    a size off the powers of two (one asked for by name, like a model's gradients) keeps its label
+    over a power of two beside it."""
+    logs = [math.log2(s) for s in sizes]
+    odd = [abs(x - round(x)) > 0.05 for x in logs]
+    kept: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: (not odd[i], i)):
+        if all(abs(logs[i] - logs[j]) >= min_octaves for j in kept):
+            kept.append(i)
+    return [format_bytes(s) if i in kept else "" for i, s in enumerate(sizes)]
 
 
 def _check_op(op, known=OPS) -> str:

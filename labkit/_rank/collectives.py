@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import metrics
-from labkit._diagnose.bandwidth import OPS, bus_factor, format_bytes
+from labkit._diagnose.ring import OPS, bus_factor, format_bytes
 
 # torch 2.14 renamed the tensor forms (the old names warn); older releases have only those.
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
