@@ -54,7 +54,7 @@ def positions(owner: int, length: int, layout: str) -> torch.Tensor:
 
 
 # --- ring attention, forward: keys and values go round the ring -------------------------------
-seen = {"scores": 0}  # how many scores this rank has computed
+seen = {"scores": 0, "largest": 0}  # scores this rank computed, and the most it held at once
 
 
 def rotate(tensor):
@@ -77,6 +77,7 @@ def blocks(q, keys, q_pos, k_pos):
             if kp[0] <= qp[-1]:
                 scores = (qi @ kj.transpose(-2, -1)) * qi.shape[-1] ** -0.5
                 seen["scores"] += scores.numel()
+                seen["largest"] = max(seen["largest"], scores.numel())
                 yield i, j, scores.masked_fill(qp[:, None] < kp[None, :], float("-inf"))
 
 
@@ -142,14 +143,15 @@ for length in args.probe_lengths if world_size > 1 else []:
     for layout in ("contiguous", "zigzag"):
         mine = positions(rank, length, layout)
         local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-        seen["scores"] = 0
+        seen.update(scores=0, largest=0)
         with memory.SavedTensorMeter() as ring:
             out = RingAttention.apply(*local, layout)
             out.backward(grad_out[:, :, mine])
-        pairs = [(out, expected[:, :, mine]), *((m.grad, f.grad[:, :, mine]) for m, f in zip(local, full))]
+        pairs = [(out.detach(), expected[:, :, mine].detach()),  # detached: plain numbers, no autograd
+                 *((m.grad, f.grad[:, :, mine]) for m, f in zip(local, full))]
         error = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)  # relative to the largest
         metrics.log(0, probe_length=length, layout=layout, max_error=error, scores=seen["scores"],
-                    saved_bytes=ring.bytes, one_process_saved_bytes=one_process.bytes)
+                    largest_scores=seen["largest"], saved_bytes=ring.bytes, one_process_saved_bytes=one_process.bytes)
 
 
 # --- the model: ring attention in every block --------------------------------------------------
