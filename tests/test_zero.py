@@ -159,3 +159,19 @@ def test_the_lessons_zero_holds_and_sends_what_the_table_says_and_trains_like_on
         assert out["held"] == labkit.zero_bytes(out["numels"], world_size, stage), (rank, out["held"])
         assert out["sent"] == labkit.zero_traffic(out["numels"], world_size, stage), (rank, out["sent"])
         torch.testing.assert_close(out["weights"], truth, rtol=0, atol=1e-5)
+
+
+# -- the lesson's pitfall: a gradient W times too large, under AdamW --------------------------------
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_adamw_steps_alike_for_a_gradient_and_w_times_it_but_for_eps(world_size):
+    """Lesson 13's pitfall says a forgotten division by W hides from AdamW: the step is the same
+    but for eps, and the decoupled weight decay never sees the gradient. (In the lesson's kernel
+    the first AdamW costs 2 s of imports, so this is checked here.)"""
+    def one_step(scale: float, eps: float) -> torch.Tensor:
+        w = torch.ones(1000, requires_grad=True)
+        w.grad = scale * torch.randn(1000, generator=torch.Generator().manual_seed(0))
+        torch.optim.AdamW([w], lr=0.01, eps=eps, weight_decay=0.01).step()
+        return w.detach()
+
+    assert torch.equal(one_step(world_size, 0.0), one_step(1, 0.0))        # no eps: the very same weights
+    assert not torch.equal(one_step(world_size, 1e-8), one_step(1, 1e-8))  # the default eps tells them apart
