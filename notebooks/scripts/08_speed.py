@@ -187,7 +187,8 @@ if ddp:
     metrics.log(step, replica_gap=(highest - lowest).max())  # 0: every rank holds the same
     if args.comm_hook == "powersgd":
         _, before, after = powersgd.compression_stats()  # numbers it all-reduced, and would have
-        metrics.log(step, powersgd_numel_before=before, powersgd_numel_after=after)
+        metrics.log(step, powersgd_numel_before=before, powersgd_numel_after=after,
+                    powersgd_start=powersgd.start_powerSGD_iter)  # the steps it did not compress
 if args.precision == "fp16":
     metrics.log(step, loss_scale=scaler.get_scale())  # where the scaler settled
 if args.compile:
