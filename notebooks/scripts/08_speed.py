@@ -151,7 +151,8 @@ for epoch in range(args.epochs):
             first = False
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with record_function("forward"), torch.autocast(device.type, amp_dtype, enabled=bool(amp_dtype)):
-            loss = F.cross_entropy(model(x), y)
+            logits = model(x)  # under autocast: in the format autocast chose for the last layer
+            loss = F.cross_entropy(logits, y)
         optimizer.zero_grad(set_to_none=True)  # frees the old gradients instead of writing zeros
         with record_function("backward"):
             scaler.scale(loss).backward()  # DDP all-reduces each bucket here, as soon as it fills
@@ -167,8 +168,9 @@ for epoch in range(args.epochs):
             # so the time metrics.log stamps is when this window's work really ended.
             metrics.log(step, loss=(window_loss / in_window).item(), epoch=epoch,
                         samples=in_window * args.batch_size, data_wait_s=wait_s)
-            if step == 1:
-                metrics.log(step, first_step_s=time.perf_counter() - start)
+            if step == 1:  # and the evidence of the number format the forward ran in
+                metrics.log(step, first_step_s=time.perf_counter() - start,
+                            logits_dtype=str(logits.dtype).removeprefix("torch."))
             window_loss.zero_()
             in_window, wait_s = 0, 0.0
         ready = time.perf_counter()
