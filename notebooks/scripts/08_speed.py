@@ -3,6 +3,7 @@
 Run it:  torchrun --standalone --nproc-per-node=2 scripts/08_speed.py --synthetic --precision bf16
 """
 import argparse
+import multiprocessing
 import os
 import time
 
@@ -147,7 +148,9 @@ for epoch in range(args.epochs):
         waited = time.perf_counter() - ready  # waiting for this batch: nothing else to do
         wait_s += waited
         if first:  # the workers start here (and again every epoch, unless they persist)
-            metrics.log(step, epoch=epoch, first_batch_wait_s=waited)
+            workers = sorted(p.pid for p in multiprocessing.active_children())  # this rank's
+            metrics.log(step, epoch=epoch, first_batch_wait_s=waited,
+                        worker_pids=" ".join(map(str, workers)) or "none")
             first = False
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with record_function("forward"), torch.autocast(device.type, amp_dtype, enabled=bool(amp_dtype)):
