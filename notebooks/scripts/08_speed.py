@@ -201,8 +201,10 @@ if args.compile:
     metrics.log(step, graphs=counters["stats"]["unique_graphs"],
                 graph_breaks=sum(counters["graph_break"].values()))
     if master:
-        for reason, count in counters["graph_break"].items():
-            print(f"graph break (×{count}): {reason.splitlines()[0]}")
+        for reason, count in counters["graph_break"].items():  # the line that names the code
+            lines = [line.strip() for line in reason.splitlines() if line.strip()]
+            said = next((line for line in lines if line.startswith("Explanation")), lines[0])
+            print(f"graph break (×{count}): {said}")
 if device.type == "cuda":  # section 3: 64 MiB of images to the GPU, from pageable and pinned memory
     images = x.cpu().repeat(-(-2**24 // x.numel()), 1, 1, 1)  # the last batch, repeated
     for kind, source in (("pageable", images), ("pinned", images.pin_memory())):
