@@ -72,6 +72,25 @@ def test_read_trace_names_lanes_steps_collectives_and_bytes(tmp_path):
     assert kernel["device"] == "gpu" and kernel["step"] == 6   # no GPU step marks: the CPU's spans decide
 
 
+def test_self_time_leaves_out_the_events_an_event_holds_on_its_own_thread(tmp_path):
+    """As the profiler's table counts "Self CPU": a parent's time less its direct children's,
+    a grandchild counted once (in its parent), another thread's events never."""
+    events = [
+        _event("aten::conv2d", 0, 10_000),                  # holds two children
+        _event("aten::convolution", 1000, 3000),             # holds a grandchild
+        _event("aten::mkldnn_convolution", 2000, 1000),
+        _event("aten::add", 5000, 4000),
+        _event("gloo:all_reduce", 500, 9000, tid=2),         # another thread: not a child
+        _event("aten::linear", 20_000, 10_000),              # a child that starts with its parent
+        _event("aten::addmm", 20_000, 5000),
+    ]
+    trace = labkit.read_trace(_write(tmp_path, events))
+    own = dict(zip(trace["name"], trace["self_ms"]))
+    assert own == {"aten::conv2d": 3.0, "aten::convolution": 2.0, "aten::mkldnn_convolution": 1.0,
+                   "aten::add": 4.0, "gloo:all_reduce": 9.0, "aten::linear": 5.0, "aten::addmm": 5.0}
+    assert (trace["self_ms"] <= trace["dur_ms"]).all()
+
+
 def test_gpu_events_follow_the_gpus_own_step_marks(tmp_path):
     events = STEP_EVENTS + [_event("ProfilerStep#5", 12_500, 3000, pid=0, tid=7, cat="gpu_user_annotation")]
     trace = labkit.read_trace(_write(tmp_path, events))

@@ -101,6 +101,8 @@ def fp16_gradscaler(ctx) -> str:
     half = ctx.launch("scripts/08_speed.py", nproc=1, args=ctx.args(SPEED, SPEED_TINY) + ["--precision", precision],
                       name=f"08-{precision}")
     labkit.compare_losses(half, reference, label=precision, early_tol=0.01, epoch_tol=0.05).check()
+    formats = half.metrics()["logits_dtype"].dropna()   # the model's output at step 1: autocast's format
+    assert len(formats) and (formats == {"fp16": "float16", "bf16": "bfloat16"}[precision]).all(), formats
     if not ctx.gpu:
         return "bf16 trained like float32; fp16 refused on CPU, as the script says"
     scale = half.metrics()["loss_scale"].dropna()

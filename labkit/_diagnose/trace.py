@@ -31,7 +31,7 @@ _COLLECTIVE = re.compile(r"^(gloo|nccl|ucc|mpi|xccl):(\w+)$")
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
 COLUMNS = ["name", "cat", "lane", "device", "pid", "tid", "step", "start_ms", "end_ms", "dur_ms",
-           "collective", "bytes", "dims", "dtypes"]
+           "self_ms", "collective", "bytes", "dims", "dtypes"]
 
 
 def _tensor_bytes(dims, dtypes) -> float:
@@ -48,6 +48,23 @@ def _tensor_bytes(dims, dtypes) -> float:
             numel *= d
         total, found = total + numel * DTYPE_BYTES[dtype], True
     return float(total) if found else float("nan")
+
+
+def _self_ms(df) -> list[float]:
+    """Each event's own time: its duration less its direct children's, as the profiler's table
+    counts "Self CPU" (and "Self CUDA"). On one thread (or GPU stream) events nest: a child
+    starts and ends inside its parent. Returns one value per row of ``df``, in its order."""
+    own = dict(zip(df.index, df["dur_ms"]))
+    nested = df.sort_values(["start_ms", "end_ms"], ascending=[True, False], kind="stable")
+    for _, rows in nested.groupby(["pid", "tid"], sort=False):
+        holding: list[tuple[object, float]] = []  # (row, end) of the events that hold this one
+        for i, start, end in zip(rows.index, rows["start_ms"], rows["end_ms"]):
+            while holding and holding[-1][1] <= start:
+                holding.pop()  # it ended before this one began
+            if holding and end <= holding[-1][1]:
+                own[holding[-1][0]] -= end - start  # the parent's own time leaves this child out
+            holding.append((i, end))
+    return [own[i] for i in df.index]
 
 
 def _lane_names(events: list[dict]) -> dict:
@@ -86,7 +103,8 @@ def read_trace(path: str | os.PathLike):
     "main thread" is the one that called ``prof.step()``); ``device`` ("cpu" or "gpu");
     ``pid`` and ``tid``; ``step`` (the profiled step whose ``ProfilerStep#N`` span holds the
     event's start, on the CPU's timeline or, for GPU events, the GPU's; else NA); ``start_ms``, ``end_ms`` and ``dur_ms`` (milliseconds
-    from the first event); ``collective`` (the operation of a process group's record, e.g.
+    from the first event); ``self_ms`` (the event's own time: ``dur_ms`` less that of the events
+    it directly holds on its thread or stream, the profiler table's "Self CPU"); ``collective`` (the operation of a process group's record, e.g.
     "all_reduce" for ``gloo:all_reduce`` or ``nccl:all_reduce``, else None); ``bytes`` (of the
     tensors the event received, from ``record_shapes=True``; NaN where unknown); ``dims`` and
     ``dtypes`` as the profiler recorded them.
@@ -142,6 +160,7 @@ def read_trace(path: str | os.PathLike):
             "bytes": _tensor_bytes(dims, dtypes), "dims": dims, "dtypes": dtypes,
         })
     df = pd.DataFrame(rows).sort_values(["start_ms", "end_ms"], kind="stable").reset_index(drop=True)
+    df["self_ms"] = _self_ms(df)
     df["step"] = pd.array([pd.NA] * len(df), dtype="Int64")
     spans = df[df["name"].str.match(_STEP.pattern)]
     for device in ("cpu", "gpu"):

@@ -151,7 +151,8 @@ if ddp:
     metrics.log(step, replica_gap=(highest - lowest).max())  # 0: every rank holds the same
     if args.comm_hook == "powersgd":
         _, before, after = powersgd.compression_stats()  # numbers it all-reduced, and would have
-        metrics.log(step, powersgd_numel_before=before, powersgd_numel_after=after)
+        metrics.log(step, powersgd_numel_before=before, powersgd_numel_after=after,
+                    powersgd_start=powersgd.start_powerSGD_iter)  # the steps it did not compress
 if master:
     print(f"{step} steps in {time.perf_counter() - start:.1f} s; comm hook {args.comm_hook}, "
           f"buckets of {args.bucket_cap_mb:g} MB")

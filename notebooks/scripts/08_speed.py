@@ -3,6 +3,7 @@
 Run it:  torchrun --standalone --nproc-per-node=2 scripts/08_speed.py --synthetic --precision bf16
 """
 import argparse
+import multiprocessing
 import os
 import time
 
@@ -147,11 +148,14 @@ for epoch in range(args.epochs):
         waited = time.perf_counter() - ready  # waiting for this batch: nothing else to do
         wait_s += waited
         if first:  # the workers start here (and again every epoch, unless they persist)
-            metrics.log(step, epoch=epoch, first_batch_wait_s=waited)
+            workers = sorted(p.pid for p in multiprocessing.active_children())  # this rank's
+            metrics.log(step, epoch=epoch, first_batch_wait_s=waited,
+                        worker_pids=" ".join(map(str, workers)) or "none")
             first = False
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with record_function("forward"), torch.autocast(device.type, amp_dtype, enabled=bool(amp_dtype)):
-            loss = F.cross_entropy(model(x), y)
+            logits = model(x)  # under autocast: in the format autocast chose for the last layer
+            loss = F.cross_entropy(logits, y)
         optimizer.zero_grad(set_to_none=True)  # frees the old gradients instead of writing zeros
         with record_function("backward"):
             scaler.scale(loss).backward()  # DDP all-reduces each bucket here, as soon as it fills
@@ -167,8 +171,9 @@ for epoch in range(args.epochs):
             # so the time metrics.log stamps is when this window's work really ended.
             metrics.log(step, loss=(window_loss / in_window).item(), epoch=epoch,
                         samples=in_window * args.batch_size, data_wait_s=wait_s)
-            if step == 1:
-                metrics.log(step, first_step_s=time.perf_counter() - start)
+            if step == 1:  # and the evidence of the number format the forward ran in
+                metrics.log(step, first_step_s=time.perf_counter() - start,
+                            logits_dtype=str(logits.dtype).removeprefix("torch."))
             window_loss.zero_()
             in_window, wait_s = 0, 0.0
         ready = time.perf_counter()
@@ -187,7 +192,8 @@ if ddp:
     metrics.log(step, replica_gap=(highest - lowest).max())  # 0: every rank holds the same
     if args.comm_hook == "powersgd":
         _, before, after = powersgd.compression_stats()  # numbers it all-reduced, and would have
-        metrics.log(step, powersgd_numel_before=before, powersgd_numel_after=after)
+        metrics.log(step, powersgd_numel_before=before, powersgd_numel_after=after,
+                    powersgd_start=powersgd.start_powerSGD_iter)  # the steps it did not compress
 if args.precision == "fp16":
     metrics.log(step, loss_scale=scaler.get_scale())  # where the scaler settled
 if args.compile:
@@ -195,8 +201,10 @@ if args.compile:
     metrics.log(step, graphs=counters["stats"]["unique_graphs"],
                 graph_breaks=sum(counters["graph_break"].values()))
     if master:
-        for reason, count in counters["graph_break"].items():
-            print(f"graph break (×{count}): {reason.splitlines()[0]}")
+        for reason, count in counters["graph_break"].items():  # the line that names the code
+            lines = [line.strip() for line in reason.splitlines() if line.strip()]
+            said = next((line for line in lines if line.startswith("Explanation")), lines[0])
+            print(f"graph break (×{count}): {said}")
 if device.type == "cuda":  # section 3: 64 MiB of images to the GPU, from pageable and pinned memory
     images = x.cpu().repeat(-(-2**24 // x.numel()), 1, 1, 1)  # the last batch, repeated
     for kind, source in (("pageable", images), ("pinned", images.pin_memory())):
