@@ -26,9 +26,6 @@ SCRIPTS = {"labkit._rank.selftest", "labkit._rank.collectives"}
 MODULE_LINES, FUNCTION_LINES, ABOUT = 300, 60, 10
 # Longer on purpose, each with why (say it in the module too).
 LONG_MODULES = {
-    # The scripts' one import for measuring memory (memory.X in lessons 05, 06 and 13's scripts);
-    # SavedTensorMeter alone is half of it.
-    "labkit/memory.py": "the scripts' one import for memory; SavedTensorMeter is half of it",
     # One exercise, one module (labkit/_course/checks finds them by file name): a check whose
     # phases are many stays whole rather than split into files nobody would look for.
     "labkit/_course/checks/ex05_resume.py": "its crash-and-resume drill launches three times",
