@@ -15,7 +15,9 @@ would) it:
 5. writes the rank's last metrics lines to disk when torchrun ends it with
    SIGTERM (as it does to every healthy rank when one fails), then dies by
    that signal as it would have (see ``_flush_on_sigterm``);
-6. ends the rank without the interpreter's final teardown (see ``_exit``).
+6. once the script has returned, stops its DataLoader workers while the interpreter
+   still works (see ``_stop_loader_workers``);
+7. ends the rank without the interpreter's final teardown (see ``_exit``).
 
 An uncaught exception is written, with its traceback, to torchrun's error file
 and to the run folder's ``errors/`` for LaunchError to report.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import os
 import runpy
 import signal
@@ -183,6 +186,26 @@ def _record_failure(exc: BaseException, script: str, run_dir: str, rank: int, ex
     )
 
 
+def _stop_loader_workers() -> int:
+    """Shut down the worker processes of every DataLoader the script left running; how many.
+
+    A loader with ``persistent_workers`` keeps its workers until its iterator is freed, and a
+    script's globals are freed only in the interpreter's teardown, which ``_exit`` skips. The
+    atexit handler older PyTorch releases have for them (2.11 on our GPU machine) joins each
+    worker with a 5 s timeout without first telling it to stop, when the loader pins memory:
+    lesson 08's rank with 8 workers took 57 s for 2.4 s of training. Shutting them down here
+    is what freeing the iterator would do: a few milliseconds. The search costs ~15 ms.
+    """
+    loaders = sys.modules.get("torch.utils.data.dataloader")
+    kind = getattr(loaders, "_MultiProcessingDataLoaderIter", None)
+    if kind is None:  # the script used no DataLoader workers
+        return 0
+    running = [obj for obj in gc.get_objects() if issubclass(type(obj), kind)]  # type(): no __class__ lookups
+    for iterator in running:
+        iterator._shutdown_workers()  # what its __del__ calls; a second call does nothing
+    return len(running)
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m labkit._rank.entry SCRIPT [ARGS...]", file=sys.stderr)
@@ -214,9 +237,11 @@ def main(argv: list[str]) -> int:
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
         runpy.run_path(script, run_name="__main__")
+        _stop_loader_workers()
     except SystemExit as exc:
         code = exc.code
         if code is None or code == 0:
+            _stop_loader_workers()
             return 0
         if not isinstance(code, int):  # sys.exit("message") prints it and exits 1
             print(code, file=sys.stderr)
