@@ -62,9 +62,23 @@ def test_agreeing_runs_pass_and_print_each_tolerance(tmp_path, capsys):
     printed = capsys.readouterr().out.splitlines()
     assert printed == same.lines() and len(printed) == 3
     assert printed[0] == "✓ first 2 windows: gap ≤ 5.0e-05 (tolerance 0.0001)"
-    assert printed[1] == ("✓ whole run (2 epochs): each epoch's mean loss within 0.67% of the "
-                                 "reference's (tolerance 5%); the largest single-window gap was 0.010")
+    assert printed[1] == ("✓ whole run (2 epochs): each epoch's mean loss off the reference's by at "
+                          "most 0.29% of its first-epoch loss (tolerance 5%); the largest "
+                          "single-window gap was 0.010")
     assert printed[2] == "✓ whole run (4 windows): gap ≤ 1.0e-02 (tolerance 0.05)"
+
+
+def test_epoch_gaps_are_shares_of_the_first_epochs_loss(tmp_path):
+    """A late epoch of small loss: 0.02 apart is 20% of that epoch's own loss (GPU noise does
+    that) but 1.1% of the first epoch's 1.75; a run that stops learning is 80% off."""
+    epochs = [0, 0, 1, 1]
+    ref = two_ranks(tmp_path, [2.0, 1.5, 0.1, 0.1], epochs=epochs, name="ref")
+    noisy = two_ranks(tmp_path, [2.0, 1.5, 0.12, 0.12], epochs=epochs, name="noisy")
+    same = labkit.compare_losses(noisy, ref, epoch_tol=0.05).check()
+    assert same.epoch_gap.tolist() == pytest.approx([0.0, 0.02 / 1.75])
+    stalled = two_ranks(tmp_path, [2.0, 1.5, 1.5, 1.5], epochs=epochs, name="stalled")
+    with pytest.raises(AssertionError, match=r"off the reference's by 80.00% of"):
+        labkit.compare_losses(stalled, ref, epoch_tol=0.05).check()
 
 
 def test_a_label_prefixes_every_line(tmp_path):
@@ -88,7 +102,8 @@ def test_the_early_tolerance_follows_the_device(tmp_path):
     ([2.0 + 2e-4, 1.5, 1.0, 0.5], {}, r"first 2 windows: gap 2.0e-04 > tolerance 0.0001 "
                                       r"\(gaps by step: \{4: 0.0002, 8: 0.0\}\)"),
     ([2.0, 1.5, 1.0, 0.5 + 0.2], {"epoch_tol": 0.05},
-     r"an epoch's mean loss is 13.33% from the reference's > tolerance 5%"),
+     r"an epoch's mean loss is off the reference's by 5.71% of the reference's first-epoch loss "
+     r"> tolerance 5%"),
     ([2.0, 1.5, 1.0, 0.5 + 0.2], {"window_tol": 0.05},
      r"a window's gap is 2.0e-01 > tolerance 0.05 \(at step 16\)"),
 ])

@@ -11,6 +11,7 @@ keeps the last value), so a misspelt flag or a broken check is found before the 
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import subprocess
@@ -65,7 +66,9 @@ def single_gpu(ctx) -> str:
 
 
 def activation_memory(ctx) -> str:
-    """Lesson 05: activation checkpointing holds less for backward; on a GPU, a lower CUDA peak."""
+    """Lesson 05: activation checkpointing holds less for backward; on a GPU, the allocator's
+    peak in the forward pass is lower too, while the step's peak, set in backward when the
+    largest checkpointed block is rebuilt, is no higher."""
     args = ctx.args(["--batch-sizes", "128,256,512", "--repeats", "20", "--width", "32"],
                     ["--batch-sizes", "8,16", "--repeats", "2", "--width", "8"])
     run = ctx.launch("scripts/05_activations.py", nproc=1, args=args, name="05-activations")
@@ -73,11 +76,14 @@ def activation_memory(ctx) -> str:
     off, on = (rows[rows["mode"] == mode].set_index("batch") for mode in ("off", "on"))
     assert (on["saved_bytes"] < off["saved_bytes"]).all(), (on["saved_bytes"], off["saved_bytes"])
     if not ctx.gpu:
-        assert off["peak_cuda_bytes"].isna().all(), off["peak_cuda_bytes"]
-        return "saved bytes lower with checkpointing; CUDA peak: rehearsed as absent on CPU"
-    assert (on["peak_cuda_bytes"] < off["peak_cuda_bytes"]).all(), (on["peak_cuda_bytes"], off["peak_cuda_bytes"])
-    return ("peak CUDA MiB with/without checkpointing: "
-            + ", ".join(f"batch {b}: {on.loc[b, 'peak_cuda_bytes'] / 2**20:.0f}/{off.loc[b, 'peak_cuda_bytes'] / 2**20:.0f}"
+        assert off["peak_cuda_bytes"].isna().all() and off["forward_peak_cuda_bytes"].isna().all(), off
+        return "saved bytes lower with checkpointing; CUDA peaks: rehearsed as absent on CPU"
+    forward = on["forward_peak_cuda_bytes"], off["forward_peak_cuda_bytes"]
+    assert (forward[0] < forward[1]).all(), forward
+    assert (on["peak_cuda_bytes"] <= 1.01 * off["peak_cuda_bytes"]).all(), (on["peak_cuda_bytes"], off["peak_cuda_bytes"])
+    mib = lambda col, b: f"{on.loc[b, col] / 2**20:.0f}/{off.loc[b, col] / 2**20:.0f}"
+    return ("CUDA MiB with/without checkpointing, forward peak then step peak: "
+            + ", ".join(f"batch {b}: {mib('forward_peak_cuda_bytes', b)}, {mib('peak_cuda_bytes', b)}"
                         for b in off.index))
 
 
@@ -100,14 +106,17 @@ def fp16_gradscaler(ctx) -> str:
     precision = "fp16" if ctx.gpu else "bf16"
     half = ctx.launch("scripts/08_speed.py", nproc=1, args=ctx.args(SPEED, SPEED_TINY) + ["--precision", precision],
                       name=f"08-{precision}")
-    labkit.compare_losses(half, reference, label=precision, early_tol=0.01, epoch_tol=0.05).check()
+    # Lesson 08's tolerance on GPUs: 10% of float32's first-epoch loss (its section 1 says why).
+    labkit.compare_losses(half, reference, label=precision, early_tol=0.01,
+                          epoch_tol=0.10 if ctx.gpu else 0.05).check()
     formats = half.metrics()["logits_dtype"].dropna()   # the model's output at step 1: autocast's format
     assert len(formats) and (formats == {"fp16": "float16", "bf16": "bfloat16"}[precision]).all(), formats
     if not ctx.gpu:
         return "bf16 trained like float32; fp16 refused on CPU, as the script says"
     scale = half.metrics()["loss_scale"].dropna()
     assert len(scale) and (scale > 1).all(), scale
-    return (f"fp16 trained like float32; loss scale {scale.min():g}..{scale.max():g}; "
+    return (f"fp16 trained like float32; loss scale {scale.min():g} ({math.log2(2**16 / scale.min()):.0f} "
+            f"overflowed step(s) skipped); "
             f"{reference.throughput():,.0f} vs {half.throughput():,.0f} samples/s (fp32, fp16)")
 
 
@@ -187,7 +196,8 @@ def nccl_one_rank(ctx) -> str:
     assert bw.backend == ("nccl" if ctx.gpu else "gloo"), bw.backend
     assert len(table) == 3 * len(sizes) and (table["algbw_GBps"] > 0).all(), table
     top = table[table["op"] == "all_reduce"].iloc[-1]
-    return f"{bw.backend}: every collective at {len(sizes)} sizes; {top['size']} all-reduce in {top['time_us']:.0f} us"
+    return (f"{bw.backend}: every collective at {len(sizes)} sizes; {top['size']} all-reduce in "
+            f"{top['time_us']:.0f} us (one rank sends nothing: the plumbing, not the bandwidth)")
 
 
 def context_parallel_api(ctx) -> str:
