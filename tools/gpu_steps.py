@@ -68,7 +68,7 @@ def single_gpu(ctx) -> str:
 def activation_memory(ctx) -> str:
     """Lesson 05: activation checkpointing holds less for backward; on a GPU, the allocator's
     peak in the forward pass is lower too, while the step's peak, set in backward when the
-    largest checkpointed block is rebuilt, is no higher."""
+    largest checkpointed block is rebuilt, stays where it was (within 2%)."""
     args = ctx.args(["--batch-sizes", "128,256,512", "--repeats", "20", "--width", "32"],
                     ["--batch-sizes", "8,16", "--repeats", "2", "--width", "8"])
     run = ctx.launch("scripts/05_activations.py", nproc=1, args=args, name="05-activations")
@@ -80,7 +80,8 @@ def activation_memory(ctx) -> str:
         return "saved bytes lower with checkpointing; CUDA peaks: rehearsed as absent on CPU"
     forward = on["forward_peak_cuda_bytes"], off["forward_peak_cuda_bytes"]
     assert (forward[0] < forward[1]).all(), forward
-    assert (on["peak_cuda_bytes"] <= 1.01 * off["peak_cuda_bytes"]).all(), (on["peak_cuda_bytes"], off["peak_cuda_bytes"])
+    assert (off["peak_cuda_bytes"] > off["forward_peak_cuda_bytes"]).all(), off
+    assert ((on["peak_cuda_bytes"] - off["peak_cuda_bytes"]).abs() <= 0.02 * off["peak_cuda_bytes"]).all(), (on["peak_cuda_bytes"], off["peak_cuda_bytes"])
     mib = lambda col, b: f"{on.loc[b, col] / 2**20:.0f}/{off.loc[b, col] / 2**20:.0f}"
     return ("CUDA MiB with/without checkpointing, forward peak then step peak: "
             + ", ".join(f"batch {b}: {mib('forward_peak_cuda_bytes', b)}, {mib('peak_cuda_bytes', b)}"
