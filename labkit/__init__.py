@@ -66,8 +66,8 @@ _LAZY = {
     "add_node": "labkit._launch.elastic",
     # reading results (labkit/_results/)
     "Run": "labkit._results.run",
-    "loss_by_step": "labkit._results.compare",
-    "loss_by_epoch": "labkit._results.compare",
+    "loss_by_step": "labkit._results.losses",
+    "loss_by_epoch": "labkit._results.losses",
     "compare_losses": "labkit._results.compare",
     "logged": "labkit._results.logged",            # lessons 02-06: what a run logged, by rank and step
     "steps_per_epoch": "labkit._results.logged",

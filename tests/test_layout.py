@@ -30,8 +30,6 @@ LONG_MODULES = {
     # phases are many stays whole rather than split into files nobody would look for.
     "labkit/_course/checks/ex05_resume.py": "its crash-and-resume drill launches three times",
     "labkit/_course/checks/ex03_syncbn.py": "three phases on BatchNorm statistics, one exercise",
-    # One idea, did two runs train alike: the windows, their tolerance and the chart of them.
-    "labkit/_results/compare.py": "LossComparison's check, check_misses and plot share its windows",
 }
 LONG_FUNCTIONS: dict[str, str] = {}
 

@@ -2,7 +2,9 @@
 
 Owns:
     run       ``Run``: one launch's folder (metrics, throughput, output, export)
-    compare   ``loss_by_step``, ``loss_by_epoch``, ``compare_losses``: did two runs train alike?
+    losses    ``loss_by_step``, ``loss_by_epoch``: a run's loss, the mean over ranks, by window
+              and by epoch
+    compare   ``compare_losses``, ``LossComparison``: did two runs train alike?
     logged    ``logged``, ``steps_per_epoch``, ``late_loss``, ``bn_allreduces_per_step``,
               ``ddp_allreduces_per_step``, ``step_s``: what a run logged, by rank and step (02-06)
     plots     ``plot_loss``, ``plot_metric``, ``plot_speedup``, ``plot_throughput``

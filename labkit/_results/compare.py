@@ -1,4 +1,4 @@
-"""Did two runs train alike? Losses by step and by epoch, their gaps, and the tolerances.
+"""Did two runs train alike? Their losses' gaps (read by ``losses``), and the tolerances.
 
 Lessons 02, 03, 04 and 06 each prove that a distributed run computes what a reference
 computes (one process on the global batch, a bigger batch, DDP). "The same" cannot mean bit
@@ -24,82 +24,16 @@ of the first epoch's loss.
 ✓ lines and assert them.
 """
 
-# Longer than ~300 lines on purpose: did two runs train alike is one idea, and LossComparison's
-# check, check_misses and plot share its windows and tolerances (tests/test_layout.py lists it).
-
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit._errors import NoMetricsError
+from labkit._results.losses import loss_by_epoch, loss_by_step, run_name
 
 #: Tolerance on the first windows' loss gap, by the device the runs trained on.
 EARLY_TOL = {"cpu": 1e-4, "cuda": 5e-3}
 #: How many logged windows count as "the first windows".
 EARLY_WINDOWS = 2
-
-
-def _metrics(run):
-    """A run's metrics DataFrame (``run`` is a Run, or already a DataFrame)."""
-    return run.metrics() if hasattr(run, "metrics") else run
-
-
-def _name(run) -> str:
-    if hasattr(run, "name"):
-        return str(run.name)
-    return str(getattr(run, "attrs", {}).get("run", "run"))
-
-
-def _losses(run, by: str):
-    df = _metrics(run)
-    for column in ("loss", by):
-        if column not in df.columns:
-            raise NoMetricsError(
-                f"run '{_name(run)}' logged no {column!r}, so its loss by {by} is unknown. "
-                f"HINT: metrics.log(step, loss=..., epoch=epoch) in the script's training loop.")
-    return df[df["loss"].notna()].groupby(by)["loss"].mean()
-
-
-def loss_by_step(run):
-    """The mean over ranks of each logged window's loss: the loss of the global batch.
-
-    Each rank logs the mean loss of its own slice of every window; with equal slices, their
-    mean is the loss of the whole global batch, which is what one process on that batch logs.
-
-    Args:
-        run: a ``Run`` (from ``labkit.launch``), or its ``run.metrics()`` DataFrame.
-
-    Returns:
-        a pandas Series of losses indexed by ``step``, in step order.
-
-    Raises:
-        NoMetricsError: the run logged no ``loss``.
-
-    Example (lesson 02)::
-
-        labkit.loss_by_step(ddp).head()
-    """
-    return _losses(run, "step")
-
-
-def loss_by_epoch(run):
-    """The mean loss of each epoch, over every logged window and every rank.
-
-    Args:
-        run: a ``Run``, or its ``run.metrics()`` DataFrame. The script logs ``epoch=`` with
-            each loss.
-
-    Returns:
-        a pandas Series of mean losses indexed by ``epoch``.
-
-    Raises:
-        NoMetricsError: the run logged no ``loss``, or no ``epoch`` with it.
-
-    Example (lessons 02 and 04)::
-
-        labkit.loss_by_epoch(ddp)
-    """
-    return _losses(run, "epoch")
 
 
 @dataclass
@@ -322,7 +256,7 @@ def compare_losses(run, reference, *, label: str = "", early: int = EARLY_WINDOW
         info = getattr(run, "info", None)   # a Run's run.json (a DataFrame's .info is a method)
         device = info.get("device") if isinstance(info, dict) else None
         if device not in EARLY_TOL:
-            raise ValueError(f"early_tol is not given, and run '{_name(run)}' does not say which "
+            raise ValueError(f"early_tol is not given, and run '{run_name(run)}' does not say which "
                              f"device it trained on (got {device!r}). HINT: pass early_tol=1e-4 "
                              f"(CPU) or 5e-3 (GPU), or pass the Run itself.")
         early_tol = EARLY_TOL[device]
@@ -330,8 +264,8 @@ def compare_losses(run, reference, *, label: str = "", early: int = EARLY_WINDOW
     first = list(ref.index[:early])
     if len(first) < early or list(ours.index[:early]) != first:
         raise ValueError(
-            f"the first {early} windows are not at the same steps: '{_name(run)}' logged "
-            f"{list(ours.index[:early])}, '{_name(reference)}' {list(ref.index[:early])}. HINT: give "
+            f"the first {early} windows are not at the same steps: '{run_name(run)}' logged "
+            f"{list(ours.index[:early])}, '{run_name(reference)}' {list(ref.index[:early])}. HINT: give "
             f"both runs the same --log-every and global batch, or compare fewer windows (early=...).")
     common = ours.index.intersection(ref.index)
     gap = (ours[common] - ref[common]).abs()

@@ -208,7 +208,7 @@ def _float32_losses(seed: int, world: int, batch_size: int, width: int, lr: floa
 
 def _averaged(feedback: Feedback, df, setting: dict, world: int) -> None:
     """The ranks stay identical, and the loss follows float32 training: the hook averaged."""
-    from labkit._results.compare import loss_by_step
+    from labkit._results.losses import loss_by_step
 
     gaps = df.dropna(subset=["replica_gap"]).groupby("rank")["replica_gap"].last()
     feedback.expect(len(gaps) == world and (gaps == 0).all(),

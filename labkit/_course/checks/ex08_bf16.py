@@ -175,7 +175,7 @@ def _float32_losses(seed: int, world: int, batch_size: int, width: int, lr: floa
 
 
 def _loss_follows_float32(feedback: Feedback, df, setting: dict, world: int) -> None:
-    from labkit._results.compare import loss_by_step
+    from labkit._results.losses import loss_by_step
 
     steps = int(setting["steps"])
     got = loss_by_step(df)
