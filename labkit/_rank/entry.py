@@ -190,11 +190,12 @@ def _stop_loader_workers() -> int:
     """Shut down the worker processes of every DataLoader the script left running; how many.
 
     A loader with ``persistent_workers`` keeps its workers until its iterator is freed, and a
-    script's globals are freed only in the interpreter's teardown, which ``_exit`` skips. The
-    atexit handler older PyTorch releases have for them (2.11 on our GPU machine) joins each
-    worker with a 5 s timeout without first telling it to stop, when the loader pins memory:
-    lesson 08's rank with 8 workers took 57 s for 2.4 s of training. Shutting them down here
-    is what freeing the iterator would do: a few milliseconds. The search costs ~15 ms.
+    script's globals are freed only in the interpreter's teardown, which ``_exit`` skips. Left
+    to PyTorch's atexit handling, torch 2.11 (on our GPU machine) then waited 5 s per worker of
+    a loader that pins memory (PyTorch issue 81794): lesson 08's rank with 8 workers took 57 s
+    for 2.4 s of training, and 15 s with this. torch 2.14 shuts them down in an atexit handler
+    of its own. Shutting them down here is what freeing the iterator would do; the search for
+    them costs ~15 ms.
     """
     loaders = sys.modules.get("torch.utils.data.dataloader")
     kind = getattr(loaders, "_MultiProcessingDataLoaderIter", None)
