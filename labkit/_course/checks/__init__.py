@@ -5,7 +5,7 @@ that exercise NN is: ``EXERCISE = "NN-<id>"`` (the id in its notebook's title), 
 progressive hints, the first a nudge, the last all but the answer), its constants, and the
 public ``check_<name>``. This package finds the modules by their file names, so that
 ``labkit.check_<name>`` and ``labkit.hint("NN-<id>", k)`` work as soon as a module is added.
-``_common`` holds what several checks share; ``labkit._course.feedback`` says how a check is written.
+``_common`` holds what several checks share, ``_saved`` a checkpoint read back as a resume reads it (05); ``labkit._course.feedback`` says how a check is written.
 
 Each ``check_*`` takes the exercise's script (it launches it, showing every rank's output) or
 a finished Run, and returns a Feedback. It never raises for a mistake in the learner's code:

@@ -1,8 +1,5 @@
 """Exercise 05-resume: a fault drill; the resumed run must end where the uninterrupted one does."""
 
-# Longer than ~300 lines on purpose: one exercise is one module (found by its file name), and
-# this check's crash-and-resume drill launches three times (tests/test_layout.py lists it).
-
 from __future__ import annotations
 
 import shutil
@@ -10,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit._course.checks._common import _metrics, _on, _ranks
+from labkit._course.checks._saved import _differences, _float_tensors, _load_latest, _wrapper_keys
 from labkit._course.attempt import launched
 from labkit._course.feedback import Feedback, check
 
@@ -32,72 +30,6 @@ HINTS = [
 #: The check's fault drill: 8 steps an epoch, a checkpoint every 6 steps, the last rank
 #: crashing at step 14, so that the job resumes mid-epoch from step 12 and redoes 13 and 14.
 DRILL = {"epochs": 3, "batch_size": 16, "steps_per_epoch": 8, "ckpt_every": 6, "crash_at": 14}
-
-
-def _walk(obj, path=""):
-    """(path, leaf) for every leaf of nested dicts, lists and tuples, in a fixed order."""
-    if isinstance(obj, dict):
-        for key in obj:
-            yield from _walk(obj[key], f"{path}/{key}")
-    elif isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            yield from _walk(item, f"{path}/{i}")
-    else:
-        yield path, obj
-
-
-def _wrapper_keys(state) -> list[str]:
-    """Keys that start with DDP's ``module.`` anywhere in a loaded checkpoint."""
-    found, stack = [], [state]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, dict):
-            found += [k for k in obj if isinstance(k, str) and k.startswith("module.")]
-            stack += list(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack += list(obj)
-    return found
-
-
-def _float_tensors(state) -> dict:
-    """{path: tensor} of the floating-point tensors in a loaded checkpoint: weights, optimizer state."""
-    import torch
-
-    return {path: leaf for path, leaf in _walk(state)
-            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()}
-
-
-def _differences(a: dict, b: dict, *, exact: bool) -> list[str]:
-    """Paths at which two {path: tensor} dicts differ (exactly, or within a GPU's rounding)."""
-    import torch
-
-    differ = sorted(set(a) ^ set(b))
-    for path in sorted(set(a) & set(b)):
-        x, y = a[path], b[path]
-        same = x.shape == y.shape and x.dtype == y.dtype and (
-            torch.equal(x, y) if exact else torch.allclose(x, y, rtol=1e-4, atol=1e-6))
-        if not same:
-            differ.append(path)
-    return differ
-
-
-def _load_latest(folder):
-    """(path, state, error) of the newest checkpoint in ``folder``, loaded as a resume loads it."""
-    import warnings
-
-    import torch
-
-    from labkit import checkpoint
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a torn file is skipped; the caller says what is missing
-        path = checkpoint.latest(folder)
-    if path is None:
-        return None, None, None
-    try:
-        return path, torch.load(path, map_location="cpu", weights_only=True), None
-    except Exception as err:  # noqa: BLE001 - whatever it is, the learner needs to hear it
-        return path, None, str(err).strip().splitlines()[0][:200]
 
 
 def _losses_by_step(df):
