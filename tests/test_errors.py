@@ -51,6 +51,18 @@ def test_a_rank_that_only_lost_its_peer_is_not_called_the_root_cause():
     assert "root cause" not in hint and "Every rank must call the same collectives" in hint
 
 
+def test_a_rank_that_only_timed_out_waiting_is_told_so():
+    """Its peer may still be alive, waiting in another collective: "lost its connection" would
+    send the learner looking for a rank that left."""
+    timed_out = ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms for recv "
+                 "operation to complete")
+    hint = failure_hint([failure(0, exc_type="RuntimeError", message=timed_out, secondary=True),
+                         failure(1, code=-15, message="killed by SIGTERM", secondary=True)])
+    assert hint.startswith("rank 0 gave up waiting for a peer (its collective timed out), but no rank "
+                           "reported an error of its own: a peer most likely waited elsewhere")
+    assert "lost its connection" not in hint and "`if rank == 0:`" in hint
+
+
 def test_ranks_that_raised_the_same_error_are_not_called_secondary():
     failures = [failure(r, exc_type="ValueError", message="bad --lr", time=1.0 + r) for r in range(3)]
     err = LaunchError("run 'x' failed.", failures=failures, hint=failure_hint(failures))

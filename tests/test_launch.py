@@ -496,6 +496,46 @@ def test_a_rank_ended_by_sigterm_keeps_the_metrics_it_logged(workdir, write_scri
 
 
 @pytest.mark.launch
+@pytest.mark.parametrize("rank1_ends", ["finished", "raised"])
+def test_a_rank_already_ending_when_torchrun_stops_it_ends_by_itself(workdir, write_script, rank1_ends):
+    """torchrun stops the other ranks with SIGTERM as soon as one fails. A rank whose script has
+    already returned, or raised, is on its way out: killing it then called a rank that had
+    finished "killed by SIGTERM", or lost its own error (CI saw both, on a slow machine). Here
+    rank 1's way out is made slow on purpose, so that the signal always lands in it.
+    """
+    write_script("ending.py", f"""
+        import atexit, os, time, torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        dist.barrier()
+        dist.destroy_process_group()
+        if rank == 0:
+            time.sleep(1)  # rank 1 is in its slow way out by now
+            raise RuntimeError("rank 0 fails on its own")
+
+        class SlowToSay(Exception):
+            def __str__(self):
+                time.sleep(3)  # formatting the error for errors/ takes this long
+                return "rank 1 fails on its own, slowly"
+
+        if "{rank1_ends}" == "raised":
+            raise SlowToSay()
+        atexit.register(time.sleep, 3)  # a slow exit, after a script that finished
+        print("rank 1 done", flush=True)
+    """)
+    with pytest.raises(LaunchError) as info:
+        labkit.launch("ending.py", nproc=2, timeout_s=60)
+    err = info.value
+    failed = {f.rank: f.message for f in err.failures}
+    if rank1_ends == "finished":
+        assert failed == {0: "rank 0 fails on its own"}, err.failures
+        assert "rank 1 done" in err.run.output(1)
+    else:
+        assert failed == {0: "rank 0 fails on its own", 1: "rank 1 fails on its own, slowly"}, err.failures
+    assert all_gone(err.run.run_dir, timeout=5)
+
+
+@pytest.mark.launch
 def test_a_rank_ends_like_python_but_skips_the_final_teardown(workdir, write_script):
     """atexit handlers and non-daemon threads still run; the interpreter's teardown does not.
 

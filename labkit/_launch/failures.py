@@ -23,6 +23,9 @@ _TORCHRUN_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+
 # it saw (rank 0 aborted by gloo can come second to rank 1 that lost it).
 _TORCHRUN_SUMMARY_RE = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)")
 
+# A lost peer's message that says the rank gave up waiting, rather than that the peer left.
+_TIMED_OUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
+
 MISMATCH_ADVICE = ("every rank must call the same collectives in the same order, with tensors of "
                    "the same size: look for a collective inside `if rank == 0:` (or any branch "
                    "that only some ranks take).")
@@ -124,9 +127,13 @@ def failure_hint(failures) -> str:
         return (f"every rank that failed raised the same error, so its cause is in code they all run: "
                 f"read rank {first.rank}'s traceback above. A rank's whole output: err.run.output(rank).")
     if first.exc_type and first.secondary:  # sorted first, so every failure is a lost peer
-        return (f"rank {first.rank} lost its connection to a peer, but no rank reported an error of "
-                f"its own: a peer most likely finished, or left early, while rank {first.rank} still "
-                f"waited in a collective. {MISMATCH_ADVICE[0].upper()}{MISMATCH_ADVICE[1:]}")
+        if _TIMED_OUT_RE.search(first.message):
+            what, peer = "gave up waiting for a peer (its collective timed out)", "waited elsewhere"
+        else:
+            what, peer = "lost its connection to a peer", "finished, or left early"
+        return (f"rank {first.rank} {what}, but no rank reported an error of its own: a peer most "
+                f"likely {peer} while rank {first.rank} still waited in a collective. "
+                f"{MISMATCH_ADVICE[0].upper()}{MISMATCH_ADVICE[1:]}")
     if first.exc_type:
         if not others:
             also = ""

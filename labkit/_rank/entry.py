@@ -14,7 +14,8 @@ would) it:
    timeout names the line a hung rank is stuck on);
 5. writes the rank's last metrics lines to disk when torchrun ends it with
    SIGTERM (as it does to every healthy rank when one fails), then dies by
-   that signal as it would have (see ``_flush_on_sigterm``);
+   that signal as it would have (see ``_flush_on_sigterm``), unless the
+   script has already returned or raised (see ``_die_by_sigterm``);
 6. once the script has returned, stops its DataLoader workers while the interpreter
    still works (see ``_stop_loader_workers``);
 7. ends the rank without the interpreter's final teardown (see ``_exit``).
@@ -72,8 +73,28 @@ def _flush_output() -> None:
             pass
 
 
+# Set once the script has returned or raised: the rank is then on its way out.
+_ending = threading.Event()
+_ENDING_GRACE_S = 5.0
+
+
 def _die_by_sigterm() -> None:
-    """Flush what this rank wrote, then end it by SIGTERM, as if no handler had been set."""
+    """Flush what this rank wrote, then end it by SIGTERM, as if no handler had been set.
+
+    Once the script has returned or raised, the rank is already ending: it has a failure to
+    record, or only its exit left. torchrun stops every other rank as soon as one fails, and
+    killing this one then would lose its own error, or report a rank that finished as killed
+    (CI saw both). So it is given ``_ENDING_GRACE_S`` to end by itself, then killed as before.
+    """
+    if _ending.is_set():
+        timer = threading.Timer(_ENDING_GRACE_S, _die_now)
+        timer.daemon = True  # _exit waits for non-daemon threads
+        timer.start()
+        return
+    _die_now()
+
+
+def _die_now() -> None:
     _flush_output()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -237,7 +258,10 @@ def main(argv: list[str]) -> int:
     sys.argv = [script, *argv[1:]]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        finally:
+            _ending.set()
         _stop_loader_workers()
     except SystemExit as exc:
         code = exc.code
