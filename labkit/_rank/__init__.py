@@ -3,6 +3,7 @@
 Owns:
     entry      a rank's entry point (``python -m labkit._rank.entry SCRIPT``): pid file, watcher
                thread, error file, then the script as ``__main__``
+    sigterm    a rank's SIGTERM: its last metrics lines kept, a rank already ending left to end
     agent      a torchrun agent that dies with its kernel (``python -m labkit._rank.agent``)
     proc       process tokens: is a pid still the process it was (the launcher, a rank)?
     layout     which node and local rank a rank is, written to the run folder (several nodes)
