@@ -225,6 +225,28 @@ def pytest_addoption(parser):
                           "world size from LABKIT_RANKS (sets it): make test-scale")
 
 
+_REPORTED: set[str] = set()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Attach the notebook times a test added to its report: under pytest-xdist (make test's
+    first pass) a worker's TIMINGS never reach the process that prints the summary."""
+    report = yield
+    new = {name: seconds for name, seconds in TIMINGS.items() if name not in _REPORTED}
+    if new:
+        report.user_properties.append(("notebook_seconds", new))
+        _REPORTED.update(new)
+    return report
+
+
+def pytest_runtest_logreport(report):
+    """In the process that prints the summary, gather the times every worker reported."""
+    for name, value in report.user_properties:
+        if name == "notebook_seconds":
+            TIMINGS.update(value)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Print how long each notebook took, so that the one-minute bar is seen on every run."""
     if not TIMINGS:

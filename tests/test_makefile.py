@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -136,7 +137,7 @@ def test_make_test_scale_runs_the_lessons_and_checks_at_4_ranks_then_the_launch_
     assert (seat / ".venv" / "commands.log").read_text().splitlines() == [
         "-m pytest --ranks 4 tests/test_notebooks.py::test_executes_in_smoke_mode "
         "tests/test_exercises.py::test_a_solution_passes_every_check",
-        "-m pytest --ranks 3 -m ranks tests"]
+        "-m pytest -n 2 --ranks 3 -m ranks tests"]
 
 
 def test_a_failed_first_part_of_test_scale_still_runs_the_second_and_fails(seat):
@@ -148,6 +149,41 @@ def test_a_failed_first_part_of_test_scale_still_runs_the_second_and_fails(seat)
     out = subprocess.run([MAKE, "-C", str(seat), "test-scale"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert len((seat / ".venv" / "commands.log").read_text().splitlines()) == 2
+
+
+def test_make_test_runs_everything_in_two_workers_then_the_lessons_alone(seat):
+    """The lessons are timed against their bar: nothing may run beside them."""
+    set_up(seat)
+    (seat / ".venv" / "commands.log").unlink(missing_ok=True)
+    subprocess.run([MAKE, "-C", str(seat), "test"], check=True, capture_output=True, timeout=60)
+    assert (seat / ".venv" / "commands.log").read_text().splitlines() == [
+        '-m pytest -n 2 -m not alone', "-m pytest -m alone"]
+
+
+def test_a_failed_first_pass_of_make_test_still_runs_the_lessons_and_fails(seat):
+    set_up(seat)
+    (seat / ".venv" / "commands.log").unlink(missing_ok=True)
+    python = seat / ".venv" / "bin" / "python"
+    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../commands.log"\n'
+                      'case "$*" in *"not alone"*) exit 1;; esac\n')
+    out = subprocess.run([MAKE, "-C", str(seat), "test"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert len((seat / ".venv" / "commands.log").read_text().splitlines()) == 2
+
+
+def test_every_notebook_test_but_the_lessons_own_runs_is_in_the_parallel_pass():
+    """Marked `alone`: exactly the tests that run a lesson and time it (its bar, its launches)."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "alone", "tests"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    tests = {i.split("[")[0] for i in ids}
+    assert tests == {f"tests/test_notebooks.py::{name}" for name in (
+        "test_executes_in_smoke_mode", "test_a_lesson_launches_at_most_six_runs",
+        "test_executes_in_full_mode")}, tests
+    lessons = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert sorted(i for i in ids if "smoke_mode" in i) == [
+        f"tests/test_notebooks.py::test_executes_in_smoke_mode[{stem}]" for stem in lessons]
+    assert len(ids) == 3 * len(lessons)
 
 
 def test_ci_runs_the_test_targets_the_readme_says_it_runs():

@@ -192,6 +192,7 @@ def _bar_s() -> float:
 
 
 @pytest.mark.notebook
+@pytest.mark.alone
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_executes_in_smoke_mode(path, notebook_copy):
     launched = images = 0
@@ -220,6 +221,7 @@ def test_executes_in_smoke_mode(path, notebook_copy):
 
 
 @pytest.mark.notebook
+@pytest.mark.alone
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_a_lesson_launches_at_most_six_runs(path, notebook_copy):
     """Counted from what the smoke execution above left in the copy (one run folder per launch,
@@ -234,6 +236,7 @@ def test_a_lesson_launches_at_most_six_runs(path, notebook_copy):
 
 
 @pytest.mark.notebook
+@pytest.mark.alone
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_executes_in_full_mode(path, request, tmp_path):
     """Full mode is what a learner without LABKIT_SMOKE runs: real sizes, longer training, so
