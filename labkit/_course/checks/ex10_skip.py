@@ -3,14 +3,16 @@
 The script meets, now and then, a batch whose loss is NaN on one rank. Its first try skips the
 step on that rank only, and the ranks' all_reduces pair wrongly, then hang. The learner makes
 every rank learn which ranks have a bad batch, in a collective all of them call every step, and
-skip together. The check launches 3 ranks with bad batches on two of them (ranks 0 and 2 with
-``--seed 1``), so that an answer written for "rank 1" or for one bad rank shows up.
+skip together. The check launches 3 ranks (``LABKIT_RANKS`` when that asks for more) with bad
+batches on two of them (ranks 0 and 2 with ``--seed 1``; at 4 ranks rank 3 too), so that an
+answer written for "rank 1" or for one bad rank shows up.
 """
 
 from __future__ import annotations
 
 import re
 
+from labkit import _hardware
 from labkit._course.checks._common import _metrics, _on
 from labkit._course.attempt import launched
 from labkit._course.feedback import Feedback, check
@@ -29,7 +31,8 @@ HINTS = [
     "step. The gradients' sum then never meets a NaN, and every rank calls the same collectives.",
 ]
 
-#: Three ranks, and a seed with bad batches on two of them (ranks 0 and 2), at different steps.
+#: Three ranks at least, and a seed with bad batches on two of them (ranks 0 and 2), at different
+#: steps (4 ranks add one on rank 3, at step 0).
 NPROC, ARGS = 3, ["--seed", "1"]
 #: Seconds without a line from any rank after which the run counts as hung.
 HANG_S = 8
@@ -40,7 +43,8 @@ def check_skip(target="scripts/ex10_skip.py", *, timeout_s: float = 180) -> Feed
     """Exercise 10-skip: every rank skips a step where some rank's batch is bad, and only those
     steps; every sum is right; rank 0 says which ranks had the bad batch.
 
-    Launches on 3 CPU ranks with bad batches on ranks 0 and 2; a hang is stopped after
+    Launches on 3 CPU ranks (or ``LABKIT_RANKS``, when more) with bad batches on ranks 0 and 2; a
+    hang is stopped after
     ``HANG_S`` seconds of silence and named.
 
     Args:
@@ -54,7 +58,8 @@ def check_skip(target="scripts/ex10_skip.py", *, timeout_s: float = 180) -> Feed
 
         labkit.check_skip("scripts/ex10_skip.py")
     """
-    feedback, run = launched(EXERCISE, target, nproc=NPROC, device="cpu", args=ARGS, timeout_s=timeout_s,
+    feedback, run = launched(EXERCISE, target, nproc=max(NPROC, _hardware.cpu_ranks()), device="cpu",
+                             args=ARGS, timeout_s=timeout_s,
                              hang_timeout_s=HANG_S, name="check-10-skip", explain=_skipped_alone)
     df = _metrics(feedback, run, ["bad_batch", "trained"])
     bad = _bad_batches(df)

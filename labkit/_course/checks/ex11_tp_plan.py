@@ -113,7 +113,7 @@ def check_tp_plan(target="scripts/ex11_tp_plan.py", *, timeout_s: float = 300) -
     """Exercise 11-tp-plan: each matrix of the gated block is cut as tensor parallelism needs, the
     split model's output and gradients equal one process's within a stated tolerance, its
     collectives are the all-reduces the plan should make, and the learner predicted them
-    (2 ranks: GPUs when there are two or more, else CPU ranks).
+    (every GPU when there are two or more, else ``LABKIT_RANKS`` CPU ranks: 2 unless set).
 
     The script computes one process's output and gradients itself, on an unsplit copy of the
     same weights, and logs how far the split model is from them; the check reads those gaps,
@@ -131,7 +131,7 @@ def check_tp_plan(target="scripts/ex11_tp_plan.py", *, timeout_s: float = 300) -
         labkit.check_tp_plan("scripts/ex11_tp_plan.py")
     """
     feedback, run = launched(EXERCISE, target, timeout_s=timeout_s, name="check-11-tp-plan",
-                             explain=_explain_the_crash, **dict(_ranks(2), nproc=2))
+                             explain=_explain_the_crash, **_ranks(2))
     logged = _read(feedback, run)
     plan_right = _plan(feedback, logged)
     _same_numbers(feedback, logged, plan_right)

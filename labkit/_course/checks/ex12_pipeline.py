@@ -12,7 +12,7 @@ hangs; the launch is stopped after ``HANG_S`` seconds of silence and says where 
 
 from __future__ import annotations
 
-from labkit._course.checks._common import _config, _metrics, _on, _saved
+from labkit._course.checks._common import _config, _metrics, _on, _only_at, _saved
 from labkit._course.attempt import launched
 from labkit._course.feedback import Feedback, check
 
@@ -62,8 +62,11 @@ def check_pipeline(target="scripts/ex12_pipeline.py", *, timeout_s: float = 180)
 
         labkit.check_pipeline("scripts/ex12_pipeline.py")
     """
-    feedback, run = launched(EXERCISE, target, nproc=2, device="cpu", timeout_s=timeout_s, hang_timeout_s=HANG_S,
-                             name="check-12-pipeline", explain=_explain)
+    feedback = Feedback(EXERCISE)
+    two = _only_at(feedback, 2, "the exercise's pipeline has two stages by design (lesson 12 runs one "
+                                "stage per rank at any size)")
+    feedback, run = launched(feedback, target, **dict(two, device="cpu"), timeout_s=timeout_s,
+                             hang_timeout_s=HANG_S, name="check-12-pipeline", explain=_explain)
     df = _metrics(feedback, run, ["loss", "sends", "sent_bytes", *SETTINGS])
     setting = {k: int(v) if k != "lr" else float(v) for k, v in _config(df, SETTINGS).items()}
     want_losses, want_grads, want_weights = _one_process(setting)
