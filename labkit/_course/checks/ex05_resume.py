@@ -157,7 +157,11 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout_s: float = 300,
     feedback, whole, reference = _uninterrupted(drill)
     run, df = _fault_drill(feedback, drill)
     fixes = _resumed(feedback, df, drill.crashing_rank)
-    exact = run.info.get("device") == "cpu"
+    # Bit for bit on 2 CPU ranks only. GPU kernels may round differently; and over 3 ranks or more
+    # the order of a gradient's sum matters: DDP lays its buckets out anew after the first step,
+    # and the resumed run's first step (the uninterrupted run's 13th, say) still uses the first
+    # layout, so its sum rounds in another order (4 ranks: a loss 1.5e-8 off, one step later).
+    exact = run.info.get("device") == "cpu" and run.nproc <= 2
     _losses(feedback, whole, df, fixes, exact)
     _final_checkpoints(feedback, reference, drill.folder("drill"), exact)
     return feedback
@@ -227,7 +231,8 @@ def _tolerance(exact: bool) -> float:
 
 def _how(exact: bool) -> str:
     """The tolerance, in words."""
-    return "bit for bit" if exact else f"within {_tolerance(exact):g} (GPU kernels may round differently)"
+    return "bit for bit" if exact else (f"within {_tolerance(exact):g} (GPU kernels, and a sum over more "
+                                        f"than 2 ranks in another order, may round differently)")
 
 
 def _losses(feedback: Feedback, whole, df, fixes: list[str], exact: bool) -> None:
