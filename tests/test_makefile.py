@@ -140,13 +140,14 @@ def test_make_test_scale_runs_the_lessons_and_checks_at_4_ranks_then_the_launch_
         "-m pytest -n 2 --ranks 3 -m ranks tests"]
 
 
-def test_a_failed_first_part_of_test_scale_still_runs_the_second_and_fails(seat):
+@pytest.mark.parametrize("target, first_part", [("test-scale", "--ranks 4"), ("test", "not alone")])
+def test_a_failed_first_part_still_runs_the_second_and_fails(seat, target, first_part):
     set_up(seat)
     (seat / ".venv" / "commands.log").unlink(missing_ok=True)
     python = seat / ".venv" / "bin" / "python"
     python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../commands.log"\n'
-                      'case "$*" in *"--ranks 4"*) exit 1;; esac\n')
-    out = subprocess.run([MAKE, "-C", str(seat), "test-scale"], capture_output=True, text=True, timeout=60)
+                      f'case "$*" in *"{first_part}"*) exit 1;; esac\n')
+    out = subprocess.run([MAKE, "-C", str(seat), target], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert len((seat / ".venv" / "commands.log").read_text().splitlines()) == 2
 
@@ -158,17 +159,6 @@ def test_make_test_runs_everything_in_two_workers_then_the_lessons_alone(seat):
     subprocess.run([MAKE, "-C", str(seat), "test"], check=True, capture_output=True, timeout=60)
     assert (seat / ".venv" / "commands.log").read_text().splitlines() == [
         '-m pytest -n 2 -m not alone', "-m pytest -m alone"]
-
-
-def test_a_failed_first_pass_of_make_test_still_runs_the_lessons_and_fails(seat):
-    set_up(seat)
-    (seat / ".venv" / "commands.log").unlink(missing_ok=True)
-    python = seat / ".venv" / "bin" / "python"
-    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../commands.log"\n'
-                      'case "$*" in *"not alone"*) exit 1;; esac\n')
-    out = subprocess.run([MAKE, "-C", str(seat), "test"], capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0
-    assert len((seat / ".venv" / "commands.log").read_text().splitlines()) == 2
 
 
 def test_every_notebook_test_but_the_lessons_own_runs_is_in_the_parallel_pass():
