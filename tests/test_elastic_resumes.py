@@ -28,17 +28,18 @@ def _run(tmp_path, lines: dict, name="el"):
     return labkit.Run(run_dir, {"name": name, "nproc": 1, "start_time": 1000.0})
 
 
-def _drill(tmp_path, *, redo_loss=None, resumed_from=5, lose_rank1_after=7, name="el"):
-    """Two ranks to step 7 (checkpoint at 5), then one rank resumed from ``resumed_from`` to 10.
-    ``redo_loss``: the loss the second round logs for the steps it does again (default: the
-    same as the first time); rank 1's lines after ``lose_rank1_after`` are lost with its node."""
+def _drill(tmp_path, *, redo_loss=None, resumed_from=5, lose_rank1_after=7, reached=7, name="el"):
+    """Two ranks to step ``reached`` (7; checkpoint at 5), then one rank resumed from
+    ``resumed_from`` to 12. ``redo_loss``: the loss the second round logs for the steps it does
+    again (default: the same as the first time); rank 1's lines after ``lose_rank1_after`` are
+    lost with its node."""
     t = 1000.0
-    first = [dict(step=s, world_size=2, restart=0, time=t + s, loss=1.0 / s) for s in range(1, 8)]
+    first = [dict(step=s, world_size=2, restart=0, time=t + s, loss=1.0 / s) for s in range(1, reached + 1)]
     saved = [dict(step=5, world_size=2, restart=0, time=t + 5.1, checkpoint_saved=5)]
     second = [dict(step=resumed_from, world_size=1, restart=1, time=t + 20, resumed_from=resumed_from)]
     second += [dict(step=s, world_size=1, restart=1, time=t + 20 + s,
-                    loss=(redo_loss if redo_loss is not None and s <= 7 else 1.0 / s))
-               for s in range(resumed_from + 1, 11)]
+                    loss=(redo_loss if redo_loss is not None and s <= reached else 1.0 / s))
+               for s in range(resumed_from + 1, 13)]
     rank1 = [dict(r, time=r["time"] + 0.01) for r in first if r["step"] <= lose_rank1_after]
     return _run(tmp_path, {0: first + saved + second, 1: rank1}, name)
 
@@ -64,6 +65,18 @@ def test_nothing_compared_fails_instead_of_passing(tmp_path):
     assert resumes.table["compared"].sum() == 0
     with pytest.raises(AssertionError, match="no step done twice could be compared"):
         resumes.check(ckpt_every=5)
+
+
+def test_a_round_stopped_between_logging_a_checkpoint_step_and_saving_it_redoes_that_many(tmp_path):
+    """The script logs step 10's loss, then saves step 10's checkpoint: a node that leaves
+    between the two leaves step 5's as the last, and the next round redoes 6 to 10, all
+    ``ckpt_every`` of them (lesson 10 saw it). That is no missed checkpoint; one step more is."""
+    resumes = labkit.elastic_resumes(_drill(tmp_path, reached=10, lose_rank1_after=10), tol=1e-6)
+    assert resumes.check(ckpt_every=5).table.iloc[1]["redone"] == [6, 7, 8, 9, 10]
+    late = labkit.elastic_resumes(_drill(tmp_path, reached=11, lose_rank1_after=11, name="late"), tol=1e-6)
+    with pytest.raises(AssertionError, match=r"round 1 .* redid steps \[6, 7, 8, 9, 10, 11\]: more than 5, "
+                                             r"so a checkpoint was missed"):
+        late.check(ckpt_every=5)
 
 
 def test_an_older_checkpoint_is_named(tmp_path):
