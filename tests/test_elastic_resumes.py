@@ -79,6 +79,22 @@ def test_a_round_stopped_between_logging_a_checkpoint_step_and_saving_it_redoes_
         late.check(ckpt_every=5)
 
 
+def test_a_checkpoint_written_but_not_yet_logged_when_the_round_was_stopped_is_resumed_from(tmp_path):
+    """Stopped between writing step 10's checkpoint and logging it, the round's lines say 5, the
+    disk holds 10, and the next round rightly goes on from 10 (the course's tests saw it under
+    load). It redid nothing, so the whole-run comparison is what fails here, not the resume.
+    A checkpoint at a step the round never reached is another matter."""
+    written = labkit.elastic_resumes(_drill(tmp_path, reached=10, lose_rank1_after=10, resumed_from=10), tol=1e-6)
+    assert written.table.iloc[1][["saved_before", "reached_before"]].tolist() == [5, 10]
+    with pytest.raises(AssertionError, match="no step done twice could be compared"):
+        written.check(ckpt_every=5)
+    beyond = labkit.elastic_resumes(_drill(tmp_path, reached=9, lose_rank1_after=9, resumed_from=10, name="beyond"),
+                                    tol=1e-6)
+    with pytest.raises(AssertionError, match=r"resumed from step 10, but the round before had saved step 5 "
+                                             r"\(and reached step 9\): it read the wrong checkpoint"):
+        beyond.check(ckpt_every=5)
+
+
 def test_an_older_checkpoint_is_named(tmp_path):
     with pytest.raises(AssertionError, match=r"resumed from step 3, but the round before had saved step 5"):
         labkit.elastic_resumes(_drill(tmp_path, resumed_from=3), tol=1e-4).check(ckpt_every=5)

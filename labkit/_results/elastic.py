@@ -103,8 +103,9 @@ class Resumes:
 
     ``labkit.elastic_resumes(run, tol=...)`` makes one. ``table`` has a row per round: ``round``,
     ``world_size``, ``restart`` (the highest restart count torchrun gave its ranks),
-    ``resumed_from``, ``saved_before`` (the last checkpoint the round before saved), ``first_step``,
-    ``redone`` (the steps the round before had already trained), ``compared`` (how many of them
+    ``resumed_from``, ``saved_before`` (the last checkpoint the round before logged as saved),
+    ``reached_before`` (the last step it trained), ``first_step``, ``redone`` (the steps the
+    round before had already trained), ``compared`` (how many of them
     both rounds logged in full) and ``max_gap`` (the largest loss difference among those).
     ``check(ckpt_every=...)`` asserts that every restart went on from the last checkpoint, with
     nothing skipped, at most ``ckpt_every`` steps redone, each redone step's loss within
@@ -125,9 +126,16 @@ class Resumes:
         for row in self.table.iloc[1:].itertuples():
             where = f"round {row.round} ({row.world_size} rank(s))"
             assert not pd.isna(row.resumed_from), f"{where} did not resume from a checkpoint"
-            assert not pd.isna(row.saved_before) and row.resumed_from == row.saved_before, (
-                f"{where} resumed from step {row.resumed_from}, but the round before had saved step "
-                f"{row.saved_before}: it read an older checkpoint, or none")
+            saved, reached = row.saved_before, row.reached_before
+            assert not pd.isna(saved), (
+                f"{where} resumed from step {row.resumed_from}, but the round before logged no checkpoint")
+            # A round stopped between writing a checkpoint and logging that it did has one more on
+            # disk than its lines say: the next one, at a step it reached, is as good to go on from.
+            written = row.resumed_from == saved + ckpt_every and not pd.isna(reached) and row.resumed_from <= reached
+            assert row.resumed_from == saved or written, (
+                f"{where} resumed from step {row.resumed_from}, but the round before had saved step {saved} "
+                f"(and reached step {reached}): it read {'an older' if row.resumed_from < saved else 'the wrong'} "
+                f"checkpoint")
             assert row.first_step == row.resumed_from + 1, (
                 f"{where} resumed from step {row.resumed_from} but trained first step "
                 f"{row.first_step}: steps were skipped")
@@ -189,10 +197,11 @@ def elastic_resumes(run, *, tol: float) -> Resumes:
                      "restart": int(restarts.get(row.round, 0)),
                      "resumed_from": row.resumed_from,
                      "saved_before": None if previous is None else previous.last_checkpoint,
+                     "reached_before": None if previous is None else previous.last_step,
                      "first_step": row.first_step, "redone": redone, "compared": len(gaps),
                      "max_gap": max(gaps) if gaps else float("nan")})
         previous = row
-    table = pd.DataFrame(rows).astype({"resumed_from": "Int64", "saved_before": "Int64",
+    table = pd.DataFrame(rows).astype({"resumed_from": "Int64", "saved_before": "Int64", "reached_before": "Int64",
                                        "first_step": "Int64"})
     return Resumes(table, set(losses.index.get_level_values("step")), tol)
 
