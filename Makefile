@@ -2,6 +2,7 @@
 #   make lab    create .venv if needed, install the course, start JupyterLab in the course folder
 #   make test   the same set-up, then every test: unit, real 2-rank launches, notebooks in smoke mode
 #   make test-scale     every lesson and exercise check at 4 CPU ranks, launch tests at 3
+#   make test-repeat    the lessons that kill, time out or restart ranks, 10 runs in a row
 #   make test-browser   the lessons in a real JupyterLab, driven by headless Chromium (CI runs it too)
 #   make test-gpu       on a machine with a CUDA GPU: every GPU path of the course, with plain python3
 # Run again, each skips the set-up that is already done.
@@ -31,7 +32,7 @@ LOCK   := requirements.lock
 PIN     = $(if $(wildcard $(LOCK)),-c $(LOCK))
 PIN_TORCH = $(if $(findstring --index-url,$(TORCH)),,$(PIN))
 
-.PHONY: lab test test-fast test-full test-scale test-browser test-slurm test-gpu gpu-wheels exercises restore doctor bench clean-runs handout wheelhouse lock
+.PHONY: lab test test-fast test-full test-scale test-repeat test-browser test-slurm test-gpu gpu-wheels exercises restore doctor bench clean-runs handout wheelhouse lock
 
 # The set-up runs again when what it installs changes: the content of pyproject.toml, the lock or TORCH.
 # The stamp holds their checksum (not a time: a fresh clone next to an existing .venv looks
@@ -78,6 +79,21 @@ test-scale: $(STAMP)
 		tests/test_exercises.py::test_a_solution_passes_every_check; lessons=$$?; \
 	LABKIT_SMOKE=1 $(PY) -m pytest -n $(JOBS) --ranks 3 -m ranks tests; launches=$$?; \
 	test $$lessons = 0 && test $$launches = 0
+
+# A lesson that kills, times out or restarts ranks must not flake: before a change to one lands, it
+# passes REPEAT (10) smoke runs in a row, the lessons taking turns as a learner's would follow each
+# other. It stops at the first failure and says which run it was. LESSONS picks others; RANKS=4
+# runs them at 4 CPU ranks (about 27 minutes for the three at 2 ranks on 2 cores).
+LESSONS ?= 05_checkpointing 09_multinode 10_faults
+REPEAT  ?= 10
+RANKS   ?=
+test-repeat: $(STAMP)
+	@for i in $$(seq $(REPEAT)); do for lesson in $(LESSONS); do \
+		echo "=== run $$i of $(REPEAT): $$lesson"; \
+		LABKIT_SMOKE=1 $(PY) -m pytest -q $(if $(RANKS),--ranks $(RANKS)) \
+			"tests/test_notebooks.py::test_executes_in_smoke_mode[$$lesson]" || \
+			{ echo "$$lesson failed in run $$i of $(REPEAT)" >&2; exit 1; }; \
+	done; done; echo "$(LESSONS): $(REPEAT) runs in a row, every one passed"
 
 # Every lesson in full mode as well, as a learner runs it by default (tens of minutes on a laptop).
 test-full: $(STAMP)

@@ -125,8 +125,8 @@ def test_make_lab_passes_the_cpu_wheels_through(seat):
 def test_make_reads_the_makefile_without_a_warning(seat):
     """Two recipes for one target (a merge can leave both) make GNU make warn and silently run
     only the last: every target the README or CI names must be defined once."""
-    out = subprocess.run([MAKE, "-C", str(seat), "-n", "test", "test-scale", "test-browser", "test-slurm",
-                          "lab", "lock"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([MAKE, "-C", str(seat), "-n", "test", "test-scale", "test-repeat", "test-browser",
+                          "test-slurm", "lab", "lock"], capture_output=True, text=True, timeout=60)
     assert "warning" not in out.stderr.lower(), out.stderr
 
 
@@ -138,6 +138,26 @@ def test_make_test_scale_runs_the_lessons_and_checks_at_4_ranks_then_the_launch_
         "-m pytest --ranks 4 tests/test_notebooks.py::test_executes_in_smoke_mode "
         "tests/test_exercises.py::test_a_solution_passes_every_check",
         "-m pytest -n 2 --ranks 3 -m ranks tests"]
+
+
+def test_make_test_repeat_runs_the_lessons_that_kill_ranks_in_turn_and_stops_at_the_first_failure(seat):
+    set_up(seat)
+    log = seat / ".venv" / "commands.log"
+    log.unlink(missing_ok=True)
+    subprocess.run([MAKE, "-C", str(seat), "test-repeat", "REPEAT=2"], check=True, capture_output=True, timeout=60)
+    smoke = "-m pytest -q tests/test_notebooks.py::test_executes_in_smoke_mode[{}]"
+    lessons = ["05_checkpointing", "09_multinode", "10_faults"]   # the ones that kill, time out or stop ranks
+    assert all((ROOT / "notebooks" / f"{stem}.ipynb").exists() for stem in lessons)
+    assert log.read_text().splitlines() == [smoke.format(stem) for stem in lessons] * 2
+    log.unlink()
+    python = seat / ".venv" / "bin" / "python"
+    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/../commands.log"\n'
+                      'case "$*" in *09_multinode*) exit 1;; esac\n')
+    out = subprocess.run([MAKE, "-C", str(seat), "test-repeat", "RANKS=4"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "09_multinode failed in run 1 of 10" in out.stderr
+    assert log.read_text().splitlines() == [smoke.format(stem).replace("-q ", "-q --ranks 4 ")
+                                            for stem in lessons[:2]]
 
 
 @pytest.mark.parametrize("target, first_part", [("test-scale", "--ranks 4"), ("test", "not alone")])
