@@ -141,11 +141,9 @@ def test_rounds_and_losses_of_an_elastic_run(tmp_path):
 def _rounds_resume_where_they_should(run):
     rounds = labkit.elastic_rounds(run)
     assert list(rounds["world_size"])[:3] == [2, 1, 2], rounds
-    for before, after in zip(rounds.itertuples(), list(rounds.itertuples())[1:]):
-        # or the next checkpoint, written by a round stopped before it logged it (seen under load)
-        assert after.resumed_from == before.last_checkpoint or (
-            after.resumed_from == before.last_checkpoint + 5 and after.resumed_from <= before.last_step), rounds
-        assert after.first_step == after.resumed_from + 1, rounds
+    # From the last checkpoint logged, or the next one, written by a round stopped before it
+    # logged it (seen under load); the script checkpoints every 5 steps ("ckpt" 5 below 10).
+    labkit.elastic_resumes(run, tol=0).check_resume_points(ckpt_every=5)
     return rounds
 
 

@@ -88,6 +88,7 @@ def test_a_checkpoint_written_but_not_yet_logged_when_the_round_was_stopped_is_r
     assert written.table.iloc[1][["saved_before", "reached_before"]].tolist() == [5, 10]
     with pytest.raises(AssertionError, match="no step done twice could be compared"):
         written.check(ckpt_every=5)
+    assert written.check_resume_points(ckpt_every=5) is written  # where it went on from is right
     beyond = labkit.elastic_resumes(_drill(tmp_path, reached=9, lose_rank1_after=9, resumed_from=10, name="beyond"),
                                     tol=1e-6)
     with pytest.raises(AssertionError, match=r"resumed from step 10, but the round before had saved step 5 "
@@ -130,3 +131,20 @@ def test_a_real_resume_that_forgets_the_weights_is_caught(elastic_script):
     forgetful = labkit.elastic_resumes(_drill_of("forgetful.py", "ckpt-bad"), tol=1e-4)
     with pytest.raises(AssertionError, match="were the model's weights loaded"):
         forgetful.check(ckpt_every=5)
+
+
+def test_the_resume_points_alone_pass_other_losses_and_fail_a_wrong_checkpoint(tmp_path):
+    """``check_resume_points`` is the first half of ``check``: where each round went on from,
+    for runs whose losses differ by design (the course's launch tests log a made-up loss)."""
+    other = labkit.elastic_resumes(_drill(tmp_path, redo_loss=2.3), tol=1e-4)
+    assert other.check_resume_points(ckpt_every=5) is other
+    older = labkit.elastic_resumes(_drill(tmp_path, resumed_from=3, name="older"), tol=1e-4)
+    with pytest.raises(AssertionError, match=r"resumed from step 3, but the round before had saved step 5"):
+        older.check_resume_points(ckpt_every=5)
+    first = [dict(step=s, world_size=2, restart=0, time=1000.0 + s, loss=1.0) for s in range(1, 7)]
+    skipped = _run(tmp_path, {0: first + [dict(step=5, world_size=2, restart=0, time=1005.1, checkpoint_saved=5),
+                                          dict(step=5, world_size=1, restart=1, time=1020.0, resumed_from=5),
+                                          dict(step=8, world_size=1, restart=1, time=1028.0, loss=1.0)]},
+                   name="skipped")
+    with pytest.raises(AssertionError, match=r"resumed from step 5 but trained first step 8: steps were skipped"):
+        labkit.elastic_resumes(skipped, tol=1e-4).check_resume_points(ckpt_every=5)

@@ -121,6 +121,35 @@ class Resumes:
         An empty comparison fails too: a run whose redone steps were all lost (or that redid
         none) cannot show that a restart restored the model, so it proves nothing.
         """
+        self.check_resume_points(ckpt_every=ckpt_every)
+        for row in self.table.iloc[1:].itertuples():
+            where = f"round {row.round} ({row.world_size} rank(s))"
+            # A round stopped after logging a checkpoint step but before saving it redoes
+            # ckpt_every steps (the script logs a step's loss, then saves): more proves a miss.
+            assert len(row.redone) <= ckpt_every, (
+                f"{where} redid steps {row.redone}: more than {ckpt_every}, so a checkpoint was missed")
+            assert not row.compared or row.max_gap <= self.tol, (
+                f"{where} redid steps {row.redone} with losses up to {row.max_gap:.2e} away from the "
+                f"first time (tolerance {self.tol:.0e}): the resumed state is not the saved one (were "
+                f"the model's weights loaded?)")
+        assert self.table["compared"].sum() > 0, (
+            "no step done twice could be compared (none redone, or their lines were lost with a "
+            "killed node): nothing shows that a restart restored the model and optimizer. Kill a "
+            "node between two checkpoints, and have the script flush its metrics lines.")
+        last = max(self.steps)
+        missed = sorted(set(range(1, last + 1)) - self.steps)
+        assert not missed, f"steps {missed} were never trained (in any round)"
+        return self
+
+    def check_resume_points(self, *, ckpt_every: int) -> "Resumes":
+        """The part of ``check`` about where each restart went on: from the last checkpoint the
+        round before saved (or the next one, written just before it was stopped), with its first
+        step right after it. For a run whose losses cannot be compared across rounds.
+
+        Example::
+
+            labkit.elastic_resumes(run, tol=1e-4).check_resume_points(ckpt_every=5)
+        """
         import pandas as pd
 
         for row in self.table.iloc[1:].itertuples():
@@ -139,21 +168,6 @@ class Resumes:
             assert row.first_step == row.resumed_from + 1, (
                 f"{where} resumed from step {row.resumed_from} but trained first step "
                 f"{row.first_step}: steps were skipped")
-            # A round stopped after logging a checkpoint step but before saving it redoes
-            # ckpt_every steps (the script logs a step's loss, then saves): more proves a miss.
-            assert len(row.redone) <= ckpt_every, (
-                f"{where} redid steps {row.redone}: more than {ckpt_every}, so a checkpoint was missed")
-            assert not row.compared or row.max_gap <= self.tol, (
-                f"{where} redid steps {row.redone} with losses up to {row.max_gap:.2e} away from the "
-                f"first time (tolerance {self.tol:.0e}): the resumed state is not the saved one (were "
-                f"the model's weights loaded?)")
-        assert self.table["compared"].sum() > 0, (
-            "no step done twice could be compared (none redone, or their lines were lost with a "
-            "killed node): nothing shows that a restart restored the model and optimizer. Kill a "
-            "node between two checkpoints, and have the script flush its metrics lines.")
-        last = max(self.steps)
-        missed = sorted(set(range(1, last + 1)) - self.steps)
-        assert not missed, f"steps {missed} were never trained (in any round)"
         return self
 
     def __repr__(self) -> str:
