@@ -1,7 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make lab    create .venv if needed, install the course, start JupyterLab in the course folder
 #   make test   the same set-up, then every test: unit, real 2-rank launches, notebooks in smoke mode
-#   make test-scale     every lesson and exercise check at 4 CPU ranks, launch tests at 3
+#   make test-scale     every lesson and exercise check at 4 CPU ranks, launch tests at 3 (CI runs it)
 #   make test-repeat    the lessons that kill, time out or restart ranks, 10 runs in a row
 #   make test-browser   the lessons in a real JupyterLab, driven by headless Chromium (CI runs it too)
 #   make test-gpu       on a machine with a CUDA GPU: every GPU path of the course, with plain python3
