@@ -83,7 +83,7 @@ test-scale: $(STAMP)
 # A lesson that kills, times out or restarts ranks must not flake: before a change to one lands, it
 # passes REPEAT (10) smoke runs in a row, the lessons taking turns as a learner's would follow each
 # other. It stops at the first failure and says which run it was. LESSONS picks others; RANKS=4
-# runs them at 4 CPU ranks (about 27 minutes for the three at 2 ranks on 2 cores).
+# runs them at 4 CPU ranks (about 27 minutes for the three at 2 ranks on 2 cores, 29 at 4 ranks).
 LESSONS ?= 05_checkpointing 09_multinode 10_faults
 REPEAT  ?= 10
 RANKS   ?=
