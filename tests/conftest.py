@@ -181,7 +181,7 @@ def execute(notebook: Path, *, timeout: int = 300, smoke: bool = True) -> list[d
     pytest for every notebook, seconds each, for nothing the test reads. Fails the test with
     the cell and the error if a cell raised, and names any code cell that never ran. MPLBACKEND
     is unset so that charts are kept as images, as in JupyterLab. The wall time (kernel start
-    included) goes to TIMINGS.
+    included; its stop, at once after the last cell, too) goes to TIMINGS.
     """
     import nbformat
     from nbclient import NotebookClient
@@ -190,7 +190,10 @@ def execute(notebook: Path, *, timeout: int = 300, smoke: bool = True) -> list[d
     env = dict(os.environ, LABKIT_SMOKE="1" if smoke else "0")
     env.pop("MPLBACKEND", None)
     nb = nbformat.read(notebook, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False)
+    # The kernel is stopped at once after the last cell: a graceful shutdown took another second a
+    # notebook (75 of them in CI) for nothing a test reads, and a learner never waits for it.
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                            shutdown_kernel="immediate")
     start = time.monotonic()
     failed = None
     try:
