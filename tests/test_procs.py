@@ -60,3 +60,38 @@ def test_kill_tree_takes_a_rank_and_its_workers_but_never_the_callers_group():
         time.sleep(0.05)
     assert workers and not any(procs.running(w) for w in workers), "a worker outlived its rank"
     procs.kill_tree(os.getpid(), 0)  # signal 0 to this process only: it is still here
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_leave_runs_what_python_runs_at_exit_and_keeps_the_status():
+    """A rank or an agent that skips the interpreter's teardown still waits for its threads,
+    runs its atexit handlers and flushes, in Python's order, and exits with its status."""
+    done = _python("""
+import atexit, sys, threading, time
+from labkit._rank import proc
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+atexit.register(lambda: print("atexit ran"))
+sys.stdout.write("unflushed")
+proc.leave(proc.exit_code(3))
+""")
+    assert done.returncode == 3, done
+    assert done.stdout == "unflushedthread done\natexit ran\n", done.stdout
+
+
+def test_exit_code_is_the_status_python_gives_a_system_exit(capsys):
+    assert [proc.exit_code(code) for code in (None, 0, 4)] == [0, 0, 4]
+    assert proc.exit_code("no data") == 1
+    assert capsys.readouterr().err == "no data\n"
+
+
+def test_an_agent_runs_torchrun_and_exits_with_its_status():
+    """``python -m labkit._rank.agent ARGS`` is ``python -m torch.distributed.run ARGS`` run in
+    the same process: a flag torchrun does not know gets the same usage message and status 2."""
+    agent, torchrun = (subprocess.run([sys.executable, "-m", module, "--no-such-flag", "x.py"],
+                                      capture_output=True, text=True, timeout=120)
+                       for module in ("labkit._rank.agent", "torch.distributed.run"))
+    assert agent.returncode == torchrun.returncode == 2, (agent, torchrun)
+    assert "--no-such-flag" in agent.stderr and agent.stderr == torchrun.stderr, agent.stderr

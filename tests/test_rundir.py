@@ -15,7 +15,7 @@ from labkit import _rundir
 # that only reads a run: torch alone takes a second or more to import.
 HEAVY = ("torch", "numpy", "pandas", "matplotlib", "IPython")
 # Every module a rank imports before the script runs (python -m labkit._rank.entry SCRIPT), and
-# what a torchrun agent runs before it becomes torchrun (python -m labkit._rank.agent ARGS); the
+# what a torchrun agent runs before torchrun itself (python -m labkit._rank.agent ARGS); the
 # rest of labkit/_rank/ is held to the same rule by tests/test_layout.py.
 RANK_SIDE = ["labkit", "labkit.metrics", "labkit._rank.entry", "labkit._rank.proc", "labkit._rundir",
              "labkit._rank.layout", "labkit._rank.agent"]

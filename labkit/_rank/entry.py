@@ -28,7 +28,6 @@ Standard library only until the script itself runs.
 
 from __future__ import annotations
 
-import atexit
 import faulthandler
 import gc
 import os
@@ -160,13 +159,10 @@ def main(argv: list[str]) -> int:
             sigterm.ending.set()
         _stop_loader_workers()
     except SystemExit as exc:
-        code = exc.code
-        if code is None or code == 0:
+        code = proc.exit_code(exc.code)  # sys.exit("message") prints it and exits 1
+        if code == 0:
             _stop_loader_workers()
             return 0
-        if not isinstance(code, int):  # sys.exit("message") prints it and exits 1
-            print(code, file=sys.stderr)
-            code = 1
         if run_dir:
             _record_failure(exc, script, run_dir, rank, code)
         return code
@@ -182,7 +178,7 @@ def main(argv: list[str]) -> int:
 
 
 def _exit(code: int) -> None:
-    """End the rank as Python would, then skip the interpreter's teardown.
+    """End the rank as Python would, then skip the interpreter's teardown (``proc.leave``).
 
     PyTorch's gloo backend frees each finished collective on its own worker
     thread, shortly *after* ``wait()`` has returned, and freeing a tensor that
@@ -192,21 +188,13 @@ def _exit(code: int) -> None:
     after the script has finished its work. ``destroy_process_group()`` does not
     join those threads, and a script cannot close the window itself.
 
-    So, in the interpreter's own order: the threading module's exit calls (they tell
-    ``concurrent.futures`` pools to stop: ``torch.compile`` leaves one running), then wait
-    for the script's non-daemon threads, run the atexit handlers (DataLoader workers,
-    logging, temporary files, labkit's metrics), flush, and leave with ``os._exit``, which
+    So the rank runs what Python runs at exit (the threading module's exit calls, which tell
+    ``concurrent.futures`` pools to stop: ``torch.compile`` leaves one running; the script's
+    non-daemon threads; the atexit handlers: DataLoader workers, logging, temporary files,
+    labkit's metrics), flushes its metrics and output, and leaves with ``os._exit``, which
     stops gloo's threads where they stand.
     """
-    for call in reversed(getattr(threading, "_threading_atexits", [])):  # what Python calls first
-        call()
-    main_thread = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main_thread and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sigterm.flush_output()
-    os._exit(code)
+    proc.leave(code, flush=sigterm.flush_output)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Process tokens: is a pid still the process it was? Shared by the ranks and the launcher.
+"""Process tokens (is a pid still the process it was?), and how a rank or an agent ends.
+
+Shared by the ranks, the agents and the launcher.
 
 A rank watches its launcher, and the launcher its ranks, by pid; a pid the kernel has reused
 for another program must not count. The token is the process's start time as Linux keeps it
@@ -11,8 +13,10 @@ is loaded. The kernel-side process work (children, trees, signals) uses psutil i
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import threading
 from pathlib import Path
 
 #: The launching kernel's pid and process token, which every rank watches (see _entry).
@@ -54,3 +58,42 @@ def is_same_process(pid: int, token: str | None) -> bool:
     if current is None:
         return False
     return token is None or current == token
+
+
+def exit_code(code) -> int:
+    """The exit status Python gives ``SystemExit(code)``: None is 0, an int itself, anything else
+    (``sys.exit("message")``) is printed to stderr and gives 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def leave(code: int, flush=None) -> None:
+    """End this process as Python would, then skip the interpreter's final teardown.
+
+    In the interpreter's own order: the threading module's exit calls (they tell
+    ``concurrent.futures`` pools to stop), the wait for non-daemon threads, the atexit
+    handlers, then ``flush`` (default: stdout and stderr) and ``os._exit``. What is skipped is
+    the teardown of every module and the last garbage collection, which for a process that has
+    loaded torch takes about half a second of CPU (the ranks and agents of a launch each pay it)
+    and, in a rank, can die inside gloo's threads (``labkit._rank.entry._exit`` says how).
+    """
+    for call in reversed(getattr(threading, "_threading_atexits", [])):  # what Python calls first
+        call()
+    main_thread = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main_thread and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    if flush is not None:
+        flush()
+    else:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed
+                pass
+    os._exit(code)
