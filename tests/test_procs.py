@@ -13,6 +13,8 @@ from labkit import _rundir
 from labkit._launch import procs
 from labkit._rank import proc
 
+from conftest import python
+
 
 def _pid_file(run_dir, rank: int, pid: int, token) -> None:
     path = _rundir.pid_file(run_dir, rank)
@@ -62,23 +64,20 @@ def test_kill_tree_takes_a_rank_and_its_workers_but_never_the_callers_group():
     procs.kill_tree(os.getpid(), 0)  # signal 0 to this process only: it is still here
 
 
-def _python(code: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
-
-
 def test_leave_runs_what_python_runs_at_exit_and_keeps_the_status():
     """A rank or an agent that skips the interpreter's teardown still waits for its threads,
     runs its atexit handlers and flushes, in Python's order, and exits with its status."""
-    done = _python("""
-import atexit, sys, threading, time
-from labkit._rank import proc
-threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
-atexit.register(lambda: print("atexit ran"))
-sys.stdout.write("unflushed")
-proc.leave(proc.exit_code(3))
-""")
-    assert done.returncode == 3, done
-    assert done.stdout == "unflushedthread done\natexit ran\n", done.stdout
+    done = python("""
+        import atexit, sys, threading, time
+        from labkit._rank import proc
+        threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+        atexit.register(lambda: print("atexit ran"))
+        sys.stdout.write("unflushed")
+        proc.leave(proc.exit_code(3))
+    """, stdout=subprocess.PIPE, text=True)
+    stdout, _ = done.communicate(timeout=60)
+    assert done.returncode == 3, stdout
+    assert stdout == "unflushedthread done\natexit ran\n", stdout
 
 
 def test_exit_code_is_the_status_python_gives_a_system_exit(capsys):

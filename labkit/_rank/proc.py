@@ -71,15 +71,26 @@ def exit_code(code) -> int:
     return 1
 
 
-def leave(code: int, flush=None) -> None:
+def flush_streams() -> None:
+    """Flush stdout and stderr; never raise (the process is ending: a stream may be closed, or
+    a signal handler may have interrupted a write to it)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, RuntimeError):
+            pass
+
+
+def leave(code: int, flush=flush_streams) -> None:
     """End this process as Python would, then skip the interpreter's final teardown.
 
     In the interpreter's own order: the threading module's exit calls (they tell
     ``concurrent.futures`` pools to stop), the wait for non-daemon threads, the atexit
-    handlers, then ``flush`` (default: stdout and stderr) and ``os._exit``. What is skipped is
-    the teardown of every module and the last garbage collection, which for a process that has
-    loaded torch takes about half a second of CPU (the ranks and agents of a launch each pay it)
-    and, in a rank, can die inside gloo's threads (``labkit._rank.entry._exit`` says how).
+    handlers, then ``flush`` (a rank's also pushes its metrics) and ``os._exit``. What is
+    skipped is the teardown of every module and the last garbage collection, which for a
+    process that has loaded torch takes about half a second of CPU (the ranks and agents of a
+    launch each pay it) and, in a rank, can die inside gloo's threads
+    (``labkit._rank.entry._exit`` says how).
     """
     for call in reversed(getattr(threading, "_threading_atexits", [])):  # what Python calls first
         call()
@@ -88,12 +99,5 @@ def leave(code: int, flush=None) -> None:
         if thread is not main_thread and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
-    if flush is not None:
-        flush()
-    else:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # closed
-                pass
+    flush()
     os._exit(code)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 
 from labkit import metrics
+from labkit._rank import proc
 
 
 def flush_output() -> None:
@@ -25,11 +25,7 @@ def flush_output() -> None:
         metrics.flush()
     except RuntimeError:  # a signal handler interrupted a write to the same buffer
         pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, RuntimeError):  # closed, or a reentrant call from a handler
-            pass
+    proc.flush_streams()
 
 
 # Set once the script has returned or raised: the rank is then on its way out.
