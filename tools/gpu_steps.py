@@ -84,7 +84,7 @@ def activation_memory(ctx) -> str:
     assert ((on["peak_cuda_bytes"] - off["peak_cuda_bytes"]).abs() <= 0.02 * off["peak_cuda_bytes"]).all(), (on["peak_cuda_bytes"], off["peak_cuda_bytes"])
     mib = lambda col, b: f"{on.loc[b, col] / 2**20:.0f}/{off.loc[b, col] / 2**20:.0f}"
     return ("CUDA MiB with/without checkpointing, forward peak then step peak: "
-            + ", ".join(f"batch {b}: {mib('forward_peak_cuda_bytes', b)}, {mib('peak_cuda_bytes', b)}"
+            + ", ".join(f"batch {b:g}: {mib('forward_peak_cuda_bytes', b)}, {mib('peak_cuda_bytes', b)}"
                         for b in off.index))
 
 
