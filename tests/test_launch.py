@@ -608,6 +608,32 @@ def test_a_rank_whose_thread_pool_is_never_shut_down_still_ends(workdir, write_s
 
 
 @pytest.mark.launch
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ranks are forked by labkit's agent on Linux only")
+def test_a_forked_rank_starts_as_a_fresh_one_would_with_torch_already_loaded(workdir, write_script):
+    """The agent forks its ranks (labkit._rank.agent): torch is loaded before the script's first
+    line, and what the agent set up for itself is not the rank's: the rank leads a session of its
+    own, has no fault handler, no parent-death signal, Python's SIGINT handler, the threads the
+    launcher asked for, and logging as Python starts it (a script's basicConfig still works)."""
+    write_script("forked.py", """
+        import sys
+        preloaded = "torch" in sys.modules
+        import ctypes, faulthandler, logging, os, signal, torch
+        asked = ctypes.c_int(-1)
+        ctypes.CDLL(None).prctl(2, ctypes.byref(asked), 0, 0, 0)  # PR_GET_PDEATHSIG
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read().split(b"\\0")
+        print("forked", preloaded, b"labkit._rank.agent" in parent, os.getsid(0) == os.getpid(),
+              faulthandler.is_enabled(), asked.value,
+              signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+              signal.getsignal(signal.SIGHUP) is signal.SIG_DFL,
+              torch.get_num_threads(), logging.getLogger().handlers, flush=True)
+    """)
+    run = labkit.launch("forked.py", nproc=2, threads_per_rank=1, timeout_s=60)  # torch alone takes every core
+    for rank in range(2):
+        assert "forked True True True False 0 True True 1 []" in run.output(rank), run.output(rank)
+
+
+@pytest.mark.launch
 @pytest.mark.parametrize("code", [0, 3])
 def test_a_ranks_exit_code_is_kept(workdir, write_script, code):
     write_script("leave.py", f"""

@@ -197,5 +197,29 @@ def _exit(code: int) -> None:
     proc.leave(code, flush=sigterm.flush_output)
 
 
+def forked(script: str, *args: str) -> None:
+    """The rank as a function of its agent, which forks it (``labkit._rank.agent``): ``main``
+    on ``SCRIPT ARGS`` in a process that starts where ``python -m labkit._rank.entry`` would.
+
+    The agent has loaded torch and the rest of torchrun; a fork inherits them, and what else the
+    agent set up for itself is put back as a fresh process has it first: a session and process
+    group of its own (torchrun starts a command that way), no fault handler and no signal
+    from the kernel when the agent dies (the watcher ends the rank then), Python's own SIGINT
+    handler and the default for the signals torchrun's agent handles. A failed rank ends here with its status;
+    a rank that succeeded returns, for torchrun to collect its result and end the process with
+    ``os._exit`` (the teardown ``_exit`` avoids is skipped there too)."""
+    os.setsid()
+    faulthandler.disable()  # torchrun's error handler turned it on for the agent, and again here
+    proc.parent_death_signal(0)  # torch's fork asks for SIGINT; the watcher below does that job
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    code = main([script, *args])
+    proc.finish(flush=sigterm.flush_output)
+    if code:
+        os._exit(code)
+
+
 if __name__ == "__main__":
     _exit(main(sys.argv[1:]))
