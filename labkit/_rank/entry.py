@@ -205,9 +205,11 @@ def forked(script: str, *args: str) -> None:
     agent set up for itself is put back as a fresh process has it first: a session and process
     group of its own (torchrun starts a command that way), no fault handler and no signal
     from the kernel when the agent dies (the watcher ends the rank then), Python's own SIGINT
-    handler and the default for the signals torchrun's agent handles. A failed rank ends here with its status;
-    a rank that succeeded returns, for torchrun to collect its result and end the process with
-    ``os._exit`` (the teardown ``_exit`` avoids is skipped there too)."""
+    handler and the default for the signals torchrun's agent handles. A failed rank ends here
+    with its status. A rank that succeeded leaves its process group (``_leave_the_group``) and
+    returns: torchrun collects its result once every rank has one, then ends the process with
+    ``os._exit`` (so the teardown ``_exit`` avoids is skipped there too).
+    """
     os.setsid()
     faulthandler.disable()  # torchrun's error handler turned it on for the agent, and again here
     proc.parent_death_signal(0)  # torch's fork asks for SIGINT; the watcher below does that job
@@ -219,6 +221,24 @@ def forked(script: str, *args: str) -> None:
     proc.finish(flush=sigterm.flush_output)
     if code:
         os._exit(code)
+    _leave_the_group()
+
+
+def _leave_the_group() -> None:
+    """What exiting would do for a rank that succeeded, which torchrun keeps waiting until every
+    rank has: close its process group, so that a peer still waiting in a collective this rank
+    never calls fails at once ("Connection closed by peer", the mismatch of lessons 02 and 10)
+    instead of waiting out the collective timeout; and stop answering a request for stacks
+    (there is no line of the script left to show)."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.unregister(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - its peers learn it has gone either way once it exits
+        pass
 
 
 if __name__ == "__main__":
