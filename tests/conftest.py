@@ -119,7 +119,7 @@ def write_script(workdir):
 
 
 def entry_processes(under: Path | None = None) -> list[str]:
-    """Command lines of labkit rank processes (and agents) still running on this machine.
+    """Command lines of labkit rank processes still running on this machine.
 
     ``under``: only those whose working folder lies there (this test session's temporary
     folder), so that a notebook a developer runs beside the tests does not count.
@@ -127,7 +127,7 @@ def entry_processes(under: Path | None = None) -> list[str]:
     found = []
     for proc in psutil.process_iter(["cmdline", "cwd"]):
         args = proc.info["cmdline"] or []
-        if not {"labkit._rank.entry", "labkit._rank.agent"} & set(args):  # a forked rank has its agent's
+        if "labkit._rank.entry" not in args:
             continue
         if under is not None:
             cwd = proc.info["cwd"]  # None: gone already, or not ours to read

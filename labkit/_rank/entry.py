@@ -197,49 +197,5 @@ def _exit(code: int) -> None:
     proc.leave(code, flush=sigterm.flush_output)
 
 
-def forked(script: str, *args: str) -> None:
-    """The rank as a function of its agent, which forks it (``labkit._rank.agent``): ``main``
-    on ``SCRIPT ARGS`` in a process that starts where ``python -m labkit._rank.entry`` would.
-
-    The agent has loaded torch and the rest of torchrun; a fork inherits them, and what else the
-    agent set up for itself is put back as a fresh process has it first: a session and process
-    group of its own (torchrun starts a command that way), no fault handler and no signal
-    from the kernel when the agent dies (the watcher ends the rank then), Python's own SIGINT
-    handler and the default for the signals torchrun's agent handles. A failed rank ends here
-    with its status. A rank that succeeded leaves its process group (``_leave_the_group``) and
-    returns: torchrun collects its result once every rank has one, then ends the process with
-    ``os._exit`` (so the teardown ``_exit`` avoids is skipped there too).
-    """
-    os.setsid()
-    faulthandler.disable()  # torchrun's error handler turned it on for the agent, and again here
-    proc.parent_death_signal(0)  # torch's fork asks for SIGINT; the watcher below does that job
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
-    code = main([script, *args])
-    proc.finish(flush=sigterm.flush_output)
-    if code:
-        os._exit(code)
-    _leave_the_group()
-
-
-def _leave_the_group() -> None:
-    """What exiting would do for a rank that succeeded, which torchrun keeps waiting until every
-    rank has: close its process group, so that a peer still waiting in a collective this rank
-    never calls fails at once ("Connection closed by peer", the mismatch of lessons 02 and 10)
-    instead of waiting out the collective timeout; and stop answering a request for stacks
-    (there is no line of the script left to show)."""
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.unregister(signal.SIGUSR1)
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - its peers learn it has gone either way once it exits
-        pass
-
-
 if __name__ == "__main__":
     _exit(main(sys.argv[1:]))

@@ -19,8 +19,6 @@ import sys
 import threading
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1  # prctl option: the signal this process gets when its parent dies
-
 #: The launching kernel's pid and process token, which every rank watches (see _entry).
 LAUNCHER_PID_ENV = "LABKIT_LAUNCHER_PID"
 LAUNCHER_TOKEN_ENV = "LABKIT_LAUNCHER_TOKEN"
@@ -83,36 +81,17 @@ def flush_streams() -> None:
             pass
 
 
-def parent_death_signal(signum: int) -> None:
-    """Ask Linux to send this process ``signum`` when its parent dies (0: nothing), with
-    ``prctl(PR_SET_PDEATHSIG)``; elsewhere, or without ctypes, nothing happens."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
 def leave(code: int, flush=flush_streams) -> None:
     """End this process as Python would, then skip the interpreter's final teardown.
 
-    In the interpreter's own order (``finish``): the threading module's exit calls (they tell
+    In the interpreter's own order: the threading module's exit calls (they tell
     ``concurrent.futures`` pools to stop), the wait for non-daemon threads, the atexit
-    handlers, then ``flush`` (a rank's also pushes its metrics); then ``os._exit``. What is
+    handlers, then ``flush`` (a rank's also pushes its metrics) and ``os._exit``. What is
     skipped is the teardown of every module and the last garbage collection, which for a
     process that has loaded torch takes about half a second of CPU (the ranks and agents of a
     launch each pay it) and, in a rank, can die inside gloo's threads
     (``labkit._rank.entry._exit`` says how).
     """
-    finish(flush)
-    os._exit(code)
-
-
-def finish(flush=flush_streams) -> None:
-    """What Python runs at exit, in its order, without exiting: the threading module's exit
-    calls, the wait for non-daemon threads, the atexit handlers, then ``flush``. ``leave`` ends
-    with it; a rank forked by its agent runs it before handing its result back."""
     for call in reversed(getattr(threading, "_threading_atexits", [])):  # what Python calls first
         call()
     main_thread = threading.main_thread()
@@ -121,3 +100,4 @@ def finish(flush=flush_streams) -> None:
             thread.join()
     atexit._run_exitfuncs()
     flush()
+    os._exit(code)
