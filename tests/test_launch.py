@@ -403,9 +403,15 @@ def test_a_collective_only_rank_0_calls_is_named_as_a_mismatch(workdir, write_sc
 
 
 @pytest.mark.launch
+@pytest.mark.parametrize("ending", ["    dist.destroy_process_group()\n", ""], ids=["destroys-its-group", "just-ends"])
 def test_a_rank_left_waiting_by_a_peer_that_finished_is_not_called_the_root_cause(workdir, write_script,
-                                                                                    ranks):
-    write_script("mismatch.py", MISMATCH.replace("SIZE", "4"))
+                                                                                    ranks, ending):
+    """Whether the finished peer destroyed its group or just ended, the rank left waiting learns
+    at once: a rank's process ends when its script does, and its connections close with it (a
+    rank kept alive after its script, as torchrun keeps the ranks it forks, must close them)."""
+    script = MISMATCH.replace("SIZE", "4")
+    assert script.count("    dist.destroy_process_group()\n") == 1
+    write_script("mismatch.py", script.replace("    dist.destroy_process_group()\n", ending))
     with pytest.raises(LaunchError) as info:
         labkit.launch("mismatch.py", nproc=ranks, timeout_s=120)
     err = info.value
