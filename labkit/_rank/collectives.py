@@ -81,8 +81,8 @@ def main() -> None:
     if use_cuda:
         torch.cuda.set_device(device)
     # device_id binds the group to this rank's GPU: NCCL's barrier then knows its device (and
-    # says nothing about guessing it). Gloo on CPU takes none.
-    dist.init_process_group("nccl" if use_cuda else "gloo", **({"device_id": device} if use_cuda else {}))
+    # says nothing about guessing it). None, the default, for gloo on CPU.
+    dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         print(f"{'op':<15}{'size':>10}{'time (us)':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"
