@@ -174,14 +174,3 @@ def test_a_measurement_on_two_cpu_ranks(workdir, capsys):
     model = bw.fit(stat="min")
     assert model.world_size == 2 and model.busbw_GBps > 0 and math.isfinite(model.max_error)
     assert model.time_s(2**24, world_size=4) > model.time_s(2**24) > model.time_s(2**20) > 0
-
-
-@pytest.mark.parametrize("iters, rounds, counts", [(50, 5, [10] * 5), (7, 5, [2, 2, 1, 1, 1]), (3, 5, [1, 1, 1]),
-                                                   (20, 1, [20]), (1, 0, [1])])
-def test_the_calls_of_each_size_are_shared_out_over_rounds(iters, rounds, counts):
-    """collectives.py times every size a few calls at a time, in rounds over all sizes, so that
-    a pause of the machine slows some calls of every size rather than all of one: every call
-    asked for is timed, in at most ``rounds`` rounds, none of them empty."""
-    from labkit._rank.collectives import rounds_of
-
-    assert rounds_of(iters, rounds) == counts and sum(counts) == iters

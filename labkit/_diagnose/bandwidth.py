@@ -188,10 +188,8 @@ def bandwidth(nproc=None, *, device="auto", sizes=None, ops=OPS, warmup=None, it
 
     One launch (``labkit.launch``: its output, errors and run folder are the usual ones) of
     ``labkit/_rank/collectives.py``: for each op and size, ``warmup`` calls left out, then
-    ``iters`` calls timed one by one (started together, timed to their end on the device), in
-    5 rounds over all sizes so that a pause of the machine cannot take every call of one size;
-    the median of the slowest rank's times is kept, with the fastest and the slowest. Sizes are
-    nccl-tests' (the whole tensor).
+    ``iters`` calls timed one by one (started together, timed to their end on the device);
+    the median of the slowest rank's times is kept. Sizes are nccl-tests' (the whole tensor).
 
     Args:
         nproc: ranks (default: what ``labkit.launch`` picks: every GPU, else 2 CPU ranks).

@@ -12,10 +12,6 @@ whole number of float32 elements per rank (at least one); the size logged is the
 Each measurement: ``--warmup`` calls left out, then ``--iters`` calls, each started together
 (a barrier first) and timed to its end on the device; an iteration takes as long as its
 slowest rank, and rank 0 logs the median over the iterations (with the fastest and slowest).
-The calls of one op go in ``--rounds`` rounds over every size (a few calls of each size per
-round), not all of one size back to back: a pause of the machine that lasts as long as one
-size's calls (another process on a shared core, for tens of milliseconds) then slows a few calls
-of every size, instead of all of one size, whose fastest call would no longer be the link's.
 """
 
 import argparse
@@ -40,7 +36,6 @@ def parse_args():
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
     return parser.parse_args()
 
 
@@ -58,17 +53,6 @@ def collective(op: str, nbytes: int, world: int, device: torch.device):
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def rounds_of(iters: int, rounds: int) -> list[int]:
-    """How many calls each round times: ``iters`` shared out over at most ``rounds`` rounds.
-
-    Example::
-
-        rounds_of(50, 5) == [10, 10, 10, 10, 10]; rounds_of(7, 5) == [2, 2, 1, 1, 1]
-    """
-    rounds = max(1, min(rounds, iters))
-    return [iters // rounds + (r < iters % rounds) for r in range(rounds)]
 
 
 def timed(call, device: torch.device, warmup: int, iters: int) -> list[float]:
@@ -105,19 +89,16 @@ def main() -> None:
               f"   ({world} ranks, {dist.get_backend()})")
     step = 0
     for op in args.ops.split(","):
-        calls = [collective(op, int(size), world, device) for size in args.sizes.split(",")]
-        seconds = [[] for _ in calls]
-        for r, count in enumerate(rounds_of(args.iters, args.rounds)):
-            for (call, _), kept in zip(calls, seconds):
-                kept += timed(call, device, args.warmup if r == 0 else 0, count)
-        for (_, nbytes), kept in zip(calls, seconds):
-            median = statistics.median(kept)
+        for nbytes in (int(s) for s in args.sizes.split(",")):
+            call, nbytes = collective(op, nbytes, world, device)
+            seconds = timed(call, device, args.warmup, args.iters)
+            median = statistics.median(seconds)
             if rank == 0:
                 algbw = nbytes / median / 1e9
                 print(f"{op:<15}{format_bytes(nbytes):>10}{median * 1e6:>12.1f}{algbw:>12.3f}"
                       f"{algbw * bus_factor(op, world):>12.3f}", flush=True)
-                metrics.log(step, op=op, size_bytes=nbytes, time_s=median, time_min_s=min(kept),
-                            time_max_s=max(kept), iters=len(kept), backend=dist.get_backend())
+                metrics.log(step, op=op, size_bytes=nbytes, time_s=median, time_min_s=min(seconds),
+                            time_max_s=max(seconds), iters=len(seconds), backend=dist.get_backend())
             step += 1
     dist.destroy_process_group()
 
