@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import LaunchError, LaunchTimeout, RankFailure
-from labkit._launch.failures import failure_hint, timeout_hint
+from labkit._launch.failures import HEAP_CORRUPTED, failure_hint, timeout_hint
 
 ABORT_TAIL = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
               "  what():  [enforce fail at gloo/transport/tcp/pair.cc:464] op.preamble.length <= "
@@ -31,6 +31,34 @@ def test_a_rank_without_an_exception_gets_the_hint_of_its_signal(code, words):
     hint = failure_hint([failure(0, code=code, message="killed", tail="last words")])
     assert words in hint
     assert "out of memory" not in hint or code == -9
+
+
+@pytest.mark.parametrize("said", [
+    "malloc(): unaligned tcache chunk detected",          # CI saw it: lesson 11, rank 1
+    "[rank1] free(): double free detected in tcache 2",
+    "double free or corruption (out)",
+    "corrupted size vs. prev_size",
+    "munmap_chunk(): invalid pointer",
+])
+def test_a_rank_that_glibc_aborted_for_a_corrupted_heap_is_told_apart(said):
+    """glibc aborts a process whose heap it finds corrupted: a bug in native code, which a rerun
+    usually misses. The HINT says so, quotes glibc, and holds HEAP_CORRUPTED (the tests' harness
+    runs a notebook again once on it, and says so)."""
+    tail = f"rank 1: blocks.0.fc2.weight (256, 1024)\n{said}"
+    failures = [failure(1, code=-6, message="killed by SIGABRT", tail=tail),
+                failure(0, exc_type="RuntimeError", message=PEER_GONE, secondary=True)]
+    hint = failure_hint(failures)
+    assert hint.startswith(f"glibc {HEAP_CORRUPTED} and aborted rank 1 (\"{said.removeprefix('[rank1] ')}\")")
+    assert "not in your Python" in hint and "run the cell again" in hint
+
+
+@pytest.mark.parametrize("code, tail", [
+    (-6, "we free(): nothing here; a print that names malloc(): not glibc"),  # not at a line's start
+    (-11, "malloc(): unaligned tcache chunk detected"),                        # not an abort
+])
+def test_heap_words_count_only_from_glibc_in_an_abort(code, tail):
+    hint = failure_hint([failure(0, code=code, message="killed", tail=tail)])
+    assert HEAP_CORRUPTED not in hint
 
 
 def test_a_collective_mismatch_in_a_ranks_output_says_what_to_look_for():

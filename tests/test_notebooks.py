@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TIMINGS, copy_folder, execute
+from conftest import TIMINGS, copy_folder, execute, run_folders
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -161,11 +161,6 @@ def notebook_copy(tmp_path_factory):
 LESSON_MAX_LAUNCHES = 6   # one sitting: a launch costs seconds of start-up (count a sweep's runs)
 
 
-def _run_folders(folder: Path) -> set[str]:
-    """Every run folder under ``folder`` (a launch's, or each of a sweep's): it holds a run.json."""
-    return {str(p.parent.relative_to(folder)) for p in folder.rglob("run.json")}
-
-
 #: Each lesson's smoke execution, shared by the tests that read it: {name: (cells or the error
 #: that stopped it, the run folders it made)}.
 _SMOKE: dict[str, tuple[object, list[str]]] = {}
@@ -175,12 +170,12 @@ def _smoke(path: Path, copy: Path) -> tuple[object, list[str]]:
     """Execute the lesson in smoke mode once per session: (its cells, or the AssertionError that
     stopped it; the run folders it left in the copy, one per launch)."""
     if path.name not in _SMOKE:
-        before = _run_folders(copy)
+        before = run_folders(copy)
         try:
             outcome = execute(copy / path.name)
         except AssertionError as err:
             outcome = err
-        _SMOKE[path.name] = (outcome, sorted(_run_folders(copy) - before))
+        _SMOKE[path.name] = (outcome, sorted(run_folders(copy) - before))
     return _SMOKE[path.name]
 
 

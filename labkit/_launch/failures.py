@@ -26,6 +26,13 @@ _TORCHRUN_SUMMARY_RE = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*ex
 # A lost peer's message that says the rank gave up waiting, rather than that the peer left.
 _TIMED_OUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
 
+# glibc's own words when it finds a process's heap corrupted, just before it aborts it (SIGABRT).
+_HEAP_CORRUPTION_RE = re.compile(
+    r"(?m)^(?:\[rank\d+\] )?((?:malloc|free|realloc|malloc_consolidate|munmap_chunk|_int_\w+)\(\): [^\n]*"
+    r"|double free or corruption[^\n]*|corrupted (?:size vs\. prev_size|double-linked list)[^\n]*)")
+# The HINT's words for it, which a test harness may look for (tests/conftest.py does).
+HEAP_CORRUPTED = "found its heap memory corrupted"
+
 MISMATCH_ADVICE = ("every rank must call the same collectives in the same order, with tensors of "
                    "the same size: look for a collective inside `if rank == 0:` (or any branch "
                    "that only some ranks take).")
@@ -170,6 +177,12 @@ def _exit_hint(first: RankFailure) -> str:
         return (f"rank {first.rank} was killed by SIGKILL, most often by the out-of-memory killer: "
                 f"too many ranks, or too large a batch or model, for this machine's memory "
                 f"(`dmesg` says), unless someone stopped it.")
+    heap = _HEAP_CORRUPTION_RE.search(first.output_tail or "")
+    if sig == getattr(signal, "SIGABRT", None) and heap:
+        return (f"glibc {HEAP_CORRUPTED} and aborted rank {first.rank} (\"{heap.group(1).strip()}\"): "
+                f"a memory bug in native code (PyTorch, gloo, a C++ extension), not in your Python. "
+                f"It strikes rarely and at random: run the cell again. If it comes back, report it "
+                f"with these lines and labkit.doctor()'s output.")
     if sig == getattr(signal, "SIGABRT", None):
         return (f"rank {first.rank} was aborted (SIGABRT) by PyTorch's C++ runtime, not by a Python "
                 f"exception: its last lines (above) say why.")
