@@ -386,6 +386,34 @@ def test_a_rank_that_raises_is_named_first(workdir, write_script, ranks):
     assert all_gone(err.run.run_dir, timeout=5)
 
 
+# Rank 1 frees one block twice: glibc notices, says so on stderr and aborts the process, as it
+# does on any heap corruption it finds (CI met one inside PyTorch's gloo path, lesson 11).
+DOUBLE_FREE = """
+    import ctypes, os
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    print("rank", os.environ["RANK"], "allocates", flush=True)
+    if os.environ["RANK"] == "1":
+        block = libc.malloc(64)
+        libc.free(block)
+        libc.free(block)
+"""
+
+
+@pytest.mark.launch
+def test_a_rank_glibc_aborts_for_a_corrupted_heap_gets_that_hint(workdir, write_script):
+    """A real abort, through torchrun and the rank's own output: glibc's words reach the
+    failure's last lines, and the HINT quotes them (the test harness reruns on it)."""
+    write_script("double_free.py", DOUBLE_FREE)
+    with pytest.raises(LaunchError, match=r"rank 1 failed \(exit code -6\): killed by SIGABRT") as info:
+        labkit.launch("double_free.py", nproc=2, timeout_s=120)
+    err = info.value
+    assert "free(): double free detected" in err.failures[0].output_tail
+    assert err.hint.startswith("glibc found its heap memory corrupted and aborted rank 1 (\"free(): "
+                               "double free detected"), err.hint
+    assert all_gone(err.run.run_dir, timeout=5)
+
+
 @pytest.mark.launch
 def test_a_collective_only_rank_0_calls_is_named_as_a_mismatch(workdir, write_script):
     """Exactly two ranks: which rank gloo aborts on a size mismatch depends on how its ring pairs
