@@ -177,13 +177,13 @@ def _exit_hint(first: RankFailure) -> str:
         return (f"rank {first.rank} was killed by SIGKILL, most often by the out-of-memory killer: "
                 f"too many ranks, or too large a batch or model, for this machine's memory "
                 f"(`dmesg` says), unless someone stopped it.")
-    heap = _HEAP_CORRUPTION_RE.search(first.output_tail or "")
-    if sig == getattr(signal, "SIGABRT", None) and heap:
-        return (f"glibc {HEAP_CORRUPTED} and aborted rank {first.rank} (\"{heap.group(1).strip()}\"): "
-                f"a memory bug in native code (PyTorch, gloo, a C++ extension), not in your Python. "
-                f"It strikes rarely and at random: run the cell again. If it comes back, report it "
-                f"with these lines and labkit.doctor()'s output.")
     if sig == getattr(signal, "SIGABRT", None):
+        heap = _HEAP_CORRUPTION_RE.search(first.output_tail or "")
+        if heap:
+            return (f"glibc {HEAP_CORRUPTED} and aborted rank {first.rank} (\"{heap.group(1).strip()}\"): "
+                    f"a memory bug in native code (PyTorch, gloo, a C++ extension), not in your "
+                    f"Python. It strikes rarely and at random: run the cell again. If it comes back, "
+                    f"report it with these lines and labkit.doctor()'s output.")
         return (f"rank {first.rank} was aborted (SIGABRT) by PyTorch's C++ runtime, not by a Python "
                 f"exception: its last lines (above) say why.")
     if sig in (getattr(signal, "SIGSEGV", None), getattr(signal, "SIGBUS", None)):
