@@ -3,7 +3,7 @@
 ``stop`` ends every torchrun agent and every rank (SIGTERM, a grace period, then SIGKILL by
 recorded pid): after success, failure, timeout or interrupt, nothing is left. On a timeout,
 ``request_stacks`` asks every live rank for its Python stacks (SIGUSR1, which the rank's entry
-point hands to faulthandler) and ``read_stacks`` says where each one was
+point hands to faulthandler) and ``wait_for_stacks`` says where each one was, once it has
 (``labkit._diagnose.stacks``). Kernel side.
 """
 
@@ -63,7 +63,9 @@ def request_stacks(run_dir: Path, streams) -> dict[int, tuple[str, int]]:
 
 
 def read_stacks(marks: dict[int, tuple[str, int]], script: str) -> dict[int, str]:
-    """{rank: where it was}, from the dumps ``request_stacks`` asked for."""
+    """{rank: where it was}, from the dumps ``request_stacks`` asked for, as far as they are
+    written: only whole lines are read, so an answer found is final (a dump starts with the
+    innermost frames, the ones ``stacks.where`` names)."""
     found = {}
     for rank, (path, offset) in marks.items():
         try:
@@ -72,7 +74,36 @@ def read_stacks(marks: dict[int, tuple[str, int]], script: str) -> dict[int, str
                 text = f.read().decode("utf-8", errors="replace")
         except OSError:
             continue
-        where = stacks.where(text, script, stacks.FAULTHANDLER)
+        where = stacks.where(text[:text.rfind("\n") + 1], script, stacks.FAULTHANDLER)
         if where:
             found[rank] = where
     return found
+
+
+def wait_for_stacks(marks: dict[int, tuple[str, int]], script: str, *, poll=lambda: None,
+                    timeout_s: float = 2.0, every_s: float = 0.05) -> dict[int, str]:
+    """``read_stacks`` once every asked rank has written where it is and its log has stopped
+    growing (the rest of its dump is there too), or after ``timeout_s`` (a rank whose threads
+    are all outside ``script`` never says: it costs the whole wait). ``poll`` runs between
+    reads (the launcher reads the ranks' lines as they come).
+
+    Example (what a timeout does)::
+
+        marks = request_stacks(run_dir, streams)
+        where = wait_for_stacks(marks, "scripts/10_hang.py", poll=streams.poll)
+    """
+    deadline, sizes = time.monotonic() + timeout_s, None
+    while True:
+        time.sleep(every_s)
+        poll()
+        found, before = read_stacks(marks, script), sizes
+        sizes = {rank: _size(path) for rank, (path, _) in marks.items()}
+        if (len(found) == len(marks) and sizes == before) or time.monotonic() > deadline:
+            return found
+
+
+def _size(path: str) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None

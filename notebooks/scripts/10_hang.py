@@ -48,6 +48,9 @@ except RuntimeError:
         with open(f"{prefix}{rank}.tmp", "wb") as f:  # another name until it is whole
             f.write(_dump_fr_trace())
         os.replace(f"{prefix}{rank}.tmp", f"{prefix}{rank}")
-        time.sleep(1)  # torchrun stops every rank once one fails: let the others dump theirs too
+        # torchrun stops every rank once one fails: wait for the others' dumps (10 s at most)
+        dumps, deadline = [f"{prefix}{r}" for r in range(world_size)], time.monotonic() + 10
+        while not all(map(os.path.exists, dumps)) and time.monotonic() < deadline:
+            time.sleep(0.05)
     raise
 dist.destroy_process_group()
