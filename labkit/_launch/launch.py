@@ -227,9 +227,7 @@ class _Launch:
         """Ask every rank for its stacks; the cell shows a few lines of each dump."""
         self.streams.hold(self.p.script)
         marks = supervise.request_stacks(self.run_dir, self.streams)
-        found = supervise.wait_for_stacks(marks, self.p.script, poll=self.streams.poll)
-        self.streams.poll()
-        return found
+        return supervise.wait_for_stacks(marks, self.p.script, poll=self.streams.poll)
 
     def add_agent(self) -> int:
         """An elastic run's node that joins: one more agent at the same rendezvous (an event

@@ -66,7 +66,34 @@ def read_stacks(marks: dict[int, tuple[str, int]], script: str) -> dict[int, str
     """{rank: where it was}, from the dumps ``request_stacks`` asked for, as far as they are
     written: only whole lines are read, so an answer found is final (a dump starts with the
     innermost frames, the ones ``stacks.where`` names)."""
-    found = {}
+    return _where(_dumps(marks), script)
+
+
+def wait_for_stacks(marks: dict[int, tuple[str, int]], script: str, *, poll=lambda: None,
+                    timeout_s: float = 2.0, every_s: float = 0.05) -> dict[int, str]:
+    """``read_stacks`` once every asked rank has written where it is and no new line has come
+    since the last read (the rest of its dump is there too), or after ``timeout_s`` (a rank
+    whose threads are all outside ``script`` never says: it costs the whole wait). ``poll``
+    runs before each read (the launcher reads the ranks' lines as they come).
+
+    Example (what a timeout does)::
+
+        marks = request_stacks(run_dir, streams)
+        where = wait_for_stacks(marks, "scripts/10_hang.py", poll=streams.poll)
+    """
+    deadline, dumps = time.monotonic() + timeout_s, None
+    while True:
+        time.sleep(every_s)
+        poll()
+        dumps, before = _dumps(marks), dumps
+        found = _where(dumps, script)
+        if (len(found) == len(marks) and dumps == before) or time.monotonic() > deadline:
+            return found
+
+
+def _dumps(marks: dict[int, tuple[str, int]]) -> dict[int, str]:
+    """{rank: what its log holds after its mark, up to its last whole line}."""
+    dumps = {}
     for rank, (path, offset) in marks.items():
         try:
             with open(path, "rb") as f:
@@ -74,36 +101,10 @@ def read_stacks(marks: dict[int, tuple[str, int]], script: str) -> dict[int, str
                 text = f.read().decode("utf-8", errors="replace")
         except OSError:
             continue
-        where = stacks.where(text[:text.rfind("\n") + 1], script, stacks.FAULTHANDLER)
-        if where:
-            found[rank] = where
-    return found
+        dumps[rank] = text[:text.rfind("\n") + 1]
+    return dumps
 
 
-def wait_for_stacks(marks: dict[int, tuple[str, int]], script: str, *, poll=lambda: None,
-                    timeout_s: float = 2.0, every_s: float = 0.05) -> dict[int, str]:
-    """``read_stacks`` once every asked rank has written where it is and its log has stopped
-    growing (the rest of its dump is there too), or after ``timeout_s`` (a rank whose threads
-    are all outside ``script`` never says: it costs the whole wait). ``poll`` runs between
-    reads (the launcher reads the ranks' lines as they come).
-
-    Example (what a timeout does)::
-
-        marks = request_stacks(run_dir, streams)
-        where = wait_for_stacks(marks, "scripts/10_hang.py", poll=streams.poll)
-    """
-    deadline, sizes = time.monotonic() + timeout_s, None
-    while True:
-        time.sleep(every_s)
-        poll()
-        found, before = read_stacks(marks, script), sizes
-        sizes = {rank: _size(path) for rank, (path, _) in marks.items()}
-        if (len(found) == len(marks) and sizes == before) or time.monotonic() > deadline:
-            return found
-
-
-def _size(path: str) -> int | None:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return None
+def _where(dumps: dict[int, str], script: str) -> dict[int, str]:
+    found = {rank: stacks.where(text, script, stacks.FAULTHANDLER) for rank, text in dumps.items()}
+    return {rank: where for rank, where in found.items() if where}
