@@ -129,8 +129,39 @@ def test_the_restart_marker_sits_where_the_attempt_resumed(view):
     log(live.run_dir, 0, 4, 6.0, restart=1, loss=1.5)
     live._read()
     ax = live._figure("ddp-2").axes[0]
-    marker = ax.lines[1]
-    assert marker.get_xdata()[0] == 2 and ax.texts[0].get_text() == "restart 1"
+    [marker] = dashed(ax)
+    assert marker.get_xdata()[0] == 2 and [t.get_text() for t in ax.texts] == ["restart 1"]
+
+
+def dashed(ax):
+    return [line for line in ax.lines if line.get_linestyle() == "--"]
+
+
+def test_an_elastic_run_s_rank_absent_from_a_round_has_a_gap_there_and_each_round_is_marked(view):
+    """Lesson 10's drill: node 1 leaves after step 12 (rank 0 goes on alone from checkpoint 10,
+    torchrun's restart 1), node 2 joins at step 20 as the new rank 1, its agent's restart 0."""
+    live, clock, handle = view
+    for step in range(1, 13):
+        for rank in (0, 1):
+            log(live.run_dir, rank, step, step + rank * 0.01, loss=3.0 - 0.1 * step)
+    log(live.run_dir, 0, 10, 20.0, restart=1, world_size=1, resumed_from=10)
+    for step in range(11, 21):
+        log(live.run_dir, 0, step, 10 + step, restart=1, world_size=1, loss=3.0 - 0.1 * step)
+    log(live.run_dir, 1, 20, 39.99, resumed_from=20, samples=0)  # a moment before rank 0's line
+    log(live.run_dir, 0, 20, 40.0, restart=1, resumed_from=20, samples=0)
+    for step in range(21, 25):
+        for rank in (0, 1):
+            log(live.run_dir, rank, step, 20 + step + rank * 0.01, restart=1 - rank, samples=16,
+                loss=3.0 - 0.1 * step + rank * 0.1)
+    live._read()
+    ax = live._figure("elastic").axes[0]
+    rank1 = [line for line in ax.lines if line.get_color() == "C1" and line.get_linestyle() == "-"]
+    assert [list(line.get_xdata()) for line in rank1] == [list(range(1, 13)), [21, 22, 23, 24]]
+    assert [line.get_xdata()[0] for line in dashed(ax)] == [10, 20]
+    assert [t.get_text() for t in ax.texts] == ["restart 1, 1 rank", "2 ranks"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["rank 0", "rank 1"]
+    progress = live._progress("running")
+    assert "step 24 · 32 samples/s" in progress and "loss 0.6500 (mean of 2 ranks)" in progress
 
 
 def test_outside_a_notebook_there_is_no_live_view(tmp_path, monkeypatch):

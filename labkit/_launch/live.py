@@ -42,7 +42,8 @@ def duration(seconds: float) -> str:
 
 
 def pace(records: list[dict], now: float) -> dict:
-    """How far a run has got and how fast, from its metrics lines (the newest restart's).
+    """How far a run has got and how fast, from its metrics lines (the newest round's: since the
+    last restart, or the last time an elastic run's ranks changed).
 
     Returns:
         ``step`` (the highest logged), ``total`` (``total_steps`` as logged, or None),
@@ -50,8 +51,8 @@ def pace(records: list[dict], now: float) -> dict:
         ``samples``) and ``eta_s`` (seconds left at the rate so far, from ``now``, an epoch
         time; None without a total or a rate yet).
     """
-    restart = max(r.get("restart", 0) for r in records)
-    recent = [r for r in records if r.get("restart", 0) == restart]
+    rounds = _rounds(records)
+    recent = [r for r, number in zip(records, rounds) if number == max(rounds)]
     totals = [r[TOTAL] for r in records if isinstance(r.get(TOTAL), (int, float))]
     step = max(r["step"] for r in recent)
     by_rank: dict = {}
@@ -70,6 +71,39 @@ def pace(records: list[dict], now: float) -> dict:
     if total is not None and steps > 0 and span > 0:
         eta = max(0.0, (total - lines[-1]["step"]) * span / steps - (now - lines[-1]["time"]))
     return {"step": step, "total": total, "samples_per_s": sum(rates) if rates else None, "eta_s": eta}
+
+
+def _rounds(records: list[dict]) -> list[int]:
+    """The round of each line: 0 until rank 0 first restarted or changed world size, then 1, ...
+    (``round_starts``; a line stamped before rank 0's first line is in round 0). A new round is
+    a new set of processes: a rank absent from one (a node that left) comes back in a later one,
+    not where it left off, and a node that joined counts its restarts from 0."""
+    from bisect import bisect_right
+
+    from labkit._results.elastic import round_starts
+
+    times = [r["time"] for r in round_starts(records, step_back=False)]
+    return [max(0, bisect_right(times, r["time"]) - 1) for r in records]
+
+
+def _mark_rounds(ax, records: list[dict]) -> None:
+    """A dashed line where each round after the first began, at the step rank 0 went on from,
+    saying what changed: ``restart 1`` (torchrun restarted the workers), ``1 rank`` (a node
+    left or joined), or both."""
+    from labkit._results.elastic import round_starts
+
+    starts = round_starts(records, step_back=False)
+    for k, (before, start) in enumerate(zip(starts, starts[1:])):
+        changed = []
+        if start.get("restart", 0) != before.get("restart", 0):
+            changed.append(f"restart {start.get('restart', 0)}")
+        size = start.get("world_size")
+        if size != before.get("world_size") and size is not None:
+            changed.append(f"{size} rank{'s' * (size != 1)}")
+        ax.axvline(start["step"], color="0.35", ls="--", lw=1, alpha=0.8)
+        ax.annotate(", ".join(changed) or "resumed", (start["step"], 1),
+                    xycoords=("data", "axes fraction"), xytext=(3, -12 - 10 * (k % 2)),
+                    textcoords="offset points", fontsize=8, color="0.25")
 
 
 def in_notebook() -> bool:
@@ -140,13 +174,14 @@ class LiveView:
         """The loss at the latest step any rank logged one, averaged over the ranks that did:
         each rank's loss is its own batch's, so the last line to arrive (rank 0's or rank 1's,
         by chance) would make two identical runs print different figures."""
-        losses = [r for r in self._records if isinstance(r.get("loss"), (int, float))]
-        if not losses:
+        keyed = [((number, r["step"]), r) for r, number in zip(self._records, _rounds(self._records))
+                 if isinstance(r.get("loss"), (int, float))]
+        if not keyed:
             return ""
-        latest = max((r.get("restart", 0), r["step"]) for r in losses)
-        at = [r["loss"] for r in losses if (r.get("restart", 0), r["step"]) == latest]
+        latest = max(key for key, _ in keyed)
+        at = [r["loss"] for key, r in keyed if key == latest]
         mean = sum(at) / len(at)
-        ranks = len({r.get("rank") for r in losses if (r.get("restart", 0), r["step"]) == latest})
+        ranks = len({r.get("rank") for key, r in keyed if key == latest})
         if len(at) == 1:
             return f"loss {mean:.4f}"
         # A script may log several losses per rank and step (lesson 13 trains six strategies).
@@ -154,9 +189,10 @@ class LiveView:
         return f"loss {mean:.4f} (mean of {lines}{ranks} rank{'s' * (ranks > 1)})"
 
     def _figure(self, title: str):
-        """The loss of every rank so far, restarts marked where each attempt resumed; None
-        before any loss. Every record goes to ``metric_curve``, not only those with a loss:
-        a line such as ``resumed_from`` is what places a restart's marker (as in plot_loss)."""
+        """The loss of every rank so far: one line per rank and round, each round after the first
+        marked where it began (a restart, or a node that left or joined). A rank absent from a
+        round (its node had left, lesson 10) has a gap there, not a line across it. None before
+        any loss. Every record goes to ``metric_curve``, not only those with a loss."""
         if not any(isinstance(r.get("loss"), (int, float)) for r in self._records):
             return None
         import pandas as pd
@@ -166,12 +202,23 @@ class LiveView:
 
         df = pd.DataFrame.from_records(self._records)
         df["loss"] = pd.to_numeric(df["loss"], errors="coerce")
+        df["round"] = _rounds(self._records)
         ranks = sorted(df.loc[df["loss"].notna(), "rank"].unique())
         fig = Figure(figsize=(7, 3.4), dpi=90)
         ax = fig.subplots()
-        for rank in ranks:
-            curve = metric_curve(df[df["rank"] == rank], x="step", y="loss")
-            draw_curve(ax, curve, label=f"rank {rank}", mark_restarts=rank == ranks[0])
+        for colour, rank in enumerate(ranks):
+            mine = df[df["rank"] == rank].sort_values("time", kind="stable")
+            # A rank's line that says where it resumed begins its new stretch, even when it was
+            # stamped a moment before rank 0's first line of the round.
+            resumed = mine["resumed_from"].notna() if "resumed_from" in mine else False
+            stretch = ((mine["round"].diff().fillna(0) != 0) | resumed).cumsum()
+            label = f"rank {rank}"
+            for _, part in mine.groupby(stretch, sort=False):
+                if part["loss"].notna().any():
+                    draw_curve(ax, metric_curve(part, x="step", y="loss"), label=label,
+                               color=f"C{colour % 10}", mark_restarts=False)
+                    label = "_nolegend_"  # one legend entry per rank
+        _mark_rounds(ax, self._records)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss (each rank's own batches)" if len(ranks) > 1 else "loss")
         ax.grid(alpha=0.3)

@@ -8,18 +8,44 @@ side; pandas and matplotlib are imported when a function is called.
 from __future__ import annotations
 
 
-def _assign_rounds(df):
-    """Number the rounds of an elastic run: rank 0's lines in time order; a new round begins
-    where its world size changes, where it logs ``resumed_from`` or where its step goes back."""
-    zero = df[df["rank"] == 0].sort_values("time", kind="stable")
-    resumed = zero["resumed_from"].notna() if "resumed_from" in zero.columns else zero["step"] < 0
+def _given(value) -> bool:
+    """A value a line holds: not missing, and not the NaN a DataFrame puts where it is missing."""
+    return value is not None and value == value
+
+
+def _value(row: dict, key: str, default=None):
+    value = row.get(key)
+    return value if _given(value) else default
+
+
+def round_starts(records, *, step_back: bool = True) -> list[dict]:
+    """Rank 0's lines that begin a round, in time order (the first line is the first round's).
+
+    A round begins where rank 0's world size or torchrun's restart count changes, where it logs
+    ``resumed_from``, and (``step_back``) where its step goes back. The live chart leaves the last
+    out: a script may log a second experiment from step 0 in one run. Every rank's line then
+    belongs to the last round that began at or before its time.
+
+    Example::
+
+        starts = round_starts(df.to_dict("records"))
+        [(r["world_size"], r.get("resumed_from")) for r in starts]
+    """
+    zero = sorted((r for r in records if r.get("rank") == 0), key=lambda r: r["time"])
     starts, previous = [], None
-    for row, resumes in zip(zero.itertuples(), resumed):
-        if previous is None or resumes or row.world_size != previous.world_size \
-                or row.step < previous.step:
-            starts.append(row.time)
+    for row in zero:
+        if previous is None or _given(row.get("resumed_from")) \
+                or _value(row, "world_size") != _value(previous, "world_size") \
+                or _value(row, "restart", 0) != _value(previous, "restart", 0) \
+                or (step_back and row["step"] < previous["step"]):
+            starts.append(row)
         previous = row
     return starts
+
+
+def _assign_rounds(df):
+    """The times at which the rounds of an elastic run began (``round_starts`` of its lines)."""
+    return [row["time"] for row in round_starts(df.to_dict("records"))]
 
 
 def elastic_losses(run):
