@@ -137,6 +137,26 @@ def dashed(ax):
     return [line for line in ax.lines if line.get_linestyle() == "--"]
 
 
+def test_a_rank_that_restarted_a_moment_before_rank_0_keeps_its_first_point_after_the_restart(view):
+    """A script that logs no resumed_from: after the restart, rank 1's first line can be stamped
+    a moment before rank 0's, which is where the round begins."""
+    live, clock, handle = view
+    for step in range(1, 7):
+        for rank in (0, 1):
+            log(live.run_dir, rank, step, step + rank * 0.01, loss=2.0)
+    log(live.run_dir, 1, 5, 20.0, restart=1, loss=1.0)
+    log(live.run_dir, 0, 5, 20.01, restart=1, loss=1.0)
+    for step in (6, 7):
+        for rank in (0, 1):
+            log(live.run_dir, rank, step, 15 + step + rank * 0.01, restart=1, loss=1.0)
+    live._read()
+    ax = live._figure("ddp-2").axes[0]
+    for colour in ("C0", "C1"):
+        lines = [line for line in ax.lines if line.get_color() == colour]
+        assert [list(line.get_xdata()) for line in lines] == [[1, 2, 3, 4, 5, 6], [5, 6, 7]]
+    assert [line.get_xdata()[0] for line in dashed(ax)] == [5]
+
+
 def test_an_elastic_run_s_rank_absent_from_a_round_has_a_gap_there_and_each_round_is_marked(view):
     """Lesson 10's drill: node 1 leaves after step 12 (rank 0 goes on alone from checkpoint 10,
     torchrun's restart 1), node 2 joins at step 20 as the new rank 1, its agent's restart 0."""

@@ -86,6 +86,36 @@ def _rounds(records: list[dict]) -> list[int]:
     return [max(0, bisect_right(times, r["time"]) - 1) for r in records]
 
 
+def _stretches(records: list[dict]) -> list[int]:
+    """The stretch of each line: one process of its rank, from its start to its end. A rank's
+    stretch ends where its own lines say it started again (its restart count or world size
+    changed, or it logged ``resumed_from``), or where the run's round changed (``_rounds``: a
+    node that joins may start again at restart 0 and the same world size, as a new rank 1).
+    A rank that started again a moment before rank 0 did keeps its new stretch when the round
+    then changes."""
+    rounds = _rounds(records)
+    numbers = [0] * len(records)
+    count = 0
+    for rank in {r.get("rank") for r in records}:
+        mine = sorted((i for i, r in enumerate(records) if r.get("rank") == rank),
+                      key=lambda i: records[i]["time"])
+        early = False  # started again, and the round it started is still to come
+        for before, i in zip([None, *mine], mine):
+            line = records[i]
+            if before is not None:
+                new_round = rounds[i] != rounds[before]
+                if line.get("resumed_from") is not None \
+                        or line.get("restart", 0) != records[before].get("restart", 0) \
+                        or line.get("world_size") != records[before].get("world_size"):
+                    count, early = count + 1, not new_round
+                elif new_round:
+                    count, early = count + (not early), False
+            else:
+                count += 1
+            numbers[i] = count
+    return numbers
+
+
 def _mark_rounds(ax, records: list[dict]) -> None:
     """A dashed line where each round after the first began, at the step rank 0 went on from,
     saying what changed: ``restart 1`` (torchrun restarted the workers), ``1 rank`` (a node
@@ -202,18 +232,14 @@ class LiveView:
 
         df = pd.DataFrame.from_records(self._records)
         df["loss"] = pd.to_numeric(df["loss"], errors="coerce")
-        df["round"] = _rounds(self._records)
+        df["stretch"] = _stretches(self._records)
         ranks = sorted(df.loc[df["loss"].notna(), "rank"].unique())
         fig = Figure(figsize=(7, 3.4), dpi=90)
         ax = fig.subplots()
         for colour, rank in enumerate(ranks):
             mine = df[df["rank"] == rank].sort_values("time", kind="stable")
-            # A rank's line that says where it resumed begins its new stretch, even when it was
-            # stamped a moment before rank 0's first line of the round.
-            resumed = mine["resumed_from"].notna() if "resumed_from" in mine else False
-            stretch = ((mine["round"].diff().fillna(0) != 0) | resumed).cumsum()
             label = f"rank {rank}"
-            for _, part in mine.groupby(stretch, sort=False):
+            for _, part in mine.groupby("stretch", sort=False):
                 if part["loss"].notna().any():
                     draw_curve(ax, metric_curve(part, x="step", y="loss"), label=label,
                                color=f"C{colour % 10}", mark_restarts=False)
