@@ -41,7 +41,7 @@ def duration(seconds: float) -> str:
     return f"{minutes // 60} h {minutes % 60} min"
 
 
-def pace(records: list[dict], now: float) -> dict:
+def pace(records: list[dict], now: float, rounds: list[int] | None = None) -> dict:
     """How far a run has got and how fast, from its metrics lines (the newest round's: since the
     last restart, or the last time an elastic run's ranks changed).
 
@@ -49,9 +49,10 @@ def pace(records: list[dict], now: float) -> dict:
         ``step`` (the highest logged), ``total`` (``total_steps`` as logged, or None),
         ``samples_per_s`` (all ranks, since each one's first line; None before two lines with
         ``samples``) and ``eta_s`` (seconds left at the rate so far, from ``now``, an epoch
-        time; None without a total or a rate yet).
+        time; None without a total or a rate yet). ``rounds``: each line's round, if known
+        (``_rounds``).
     """
-    rounds = _rounds(records)
+    rounds = _rounds(records) if rounds is None else rounds
     recent = [r for r, number in zip(records, rounds) if number == max(rounds)]
     totals = [r[TOTAL] for r in records if isinstance(r.get(TOTAL), (int, float))]
     step = max(r["step"] for r in recent)
@@ -73,27 +74,30 @@ def pace(records: list[dict], now: float) -> dict:
     return {"step": step, "total": total, "samples_per_s": sum(rates) if rates else None, "eta_s": eta}
 
 
-def _rounds(records: list[dict]) -> list[int]:
+def _rounds(records: list[dict], starts: list[dict] | None = None) -> list[int]:
     """The round of each line: 0 until rank 0 first restarted or changed world size, then 1, ...
     (``round_starts``; a line stamped before rank 0's first line is in round 0). A new round is
     a new set of processes: a rank absent from one (a node that left) comes back in a later one,
-    not where it left off, and a node that joined counts its restarts from 0."""
+    not where it left off, and a node that joined counts its restarts from 0. ``starts``: the
+    rounds' first lines, if known."""
     from bisect import bisect_right
 
     from labkit._results.elastic import round_starts
 
-    times = [r["time"] for r in round_starts(records, step_back=False)]
+    starts = round_starts(records, step_back=False) if starts is None else starts
+    times = [r["time"] for r in starts]
     return [max(0, bisect_right(times, r["time"]) - 1) for r in records]
 
 
-def _stretches(records: list[dict]) -> list[int]:
+def _stretches(records: list[dict], rounds: list[int]) -> list[int]:
     """The stretch of each line: one process of its rank, from its start to its end. A rank's
     stretch ends where its own lines say it started again (its restart count or world size
     changed, or it logged ``resumed_from``), or where the run's round changed (``_rounds``: a
     node that joins may start again at restart 0 and the same world size, as a new rank 1).
     A rank that started again a moment before rank 0 did keeps its new stretch when the round
-    then changes."""
-    rounds = _rounds(records)
+    then changes. ``rounds``: each line's round (``_rounds``)."""
+    from labkit._results.elastic import begins_again
+
     numbers = [0] * len(records)
     count = 0
     for rank in {r.get("rank") for r in records}:
@@ -104,9 +108,7 @@ def _stretches(records: list[dict]) -> list[int]:
             line = records[i]
             if before is not None:
                 new_round = rounds[i] != rounds[before]
-                if line.get("resumed_from") is not None \
-                        or line.get("restart", 0) != records[before].get("restart", 0) \
-                        or line.get("world_size") != records[before].get("world_size"):
+                if begins_again(line, records[before], step_back=False):
                     count, early = count + 1, not new_round
                 elif new_round:
                     count, early = count + (not early), False
@@ -116,13 +118,10 @@ def _stretches(records: list[dict]) -> list[int]:
     return numbers
 
 
-def _mark_rounds(ax, records: list[dict]) -> None:
-    """A dashed line where each round after the first began, at the step rank 0 went on from,
-    saying what changed: ``restart 1`` (torchrun restarted the workers), ``1 rank`` (a node
-    left or joined), or both."""
-    from labkit._results.elastic import round_starts
-
-    starts = round_starts(records, step_back=False)
+def _mark_rounds(ax, starts: list[dict]) -> None:
+    """A dashed line where each round after the first began (``starts``: rank 0's first line of
+    each), at the step rank 0 went on from, saying what changed: ``restart 1`` (torchrun
+    restarted the workers), ``1 rank`` (a node left or joined), or both."""
     for k, (before, start) in enumerate(zip(starts, starts[1:])):
         changed = []
         if start.get("restart", 0) != before.get("restart", 0):
@@ -156,6 +155,8 @@ class LiveView:
         self.text = enabled and not interactive   # a terminal: progress lines now and then
         self._last_text = time.monotonic()
         self._records: list[dict] = []
+        self._starts: list[dict] = []   # each round's first line (round_starts), and
+        self._round_of: list[int] = []  # each line's round: updated as lines arrive
         self._tails: dict[str, LineTail] = {}
         self._handle = None
         self._start = time.monotonic()
@@ -171,12 +172,18 @@ class LiveView:
 
     # -- data -------------------------------------------------------------------
     def _read(self) -> None:
+        before = len(self._records)
         for path in _rundir.metrics_files(self.run_dir):
             tail = self._tails.setdefault(str(path), LineTail(path))
             found, _ = parse_records(tail.new_lines())
             if found:
                 self._records += found
                 self._dirty = True
+        if len(self._records) > before:  # the rounds, once per batch of new lines
+            from labkit._results.elastic import round_starts
+
+            self._starts = round_starts(self._records, step_back=False)
+            self._round_of = _rounds(self._records, self._starts)
 
     def _progress(self, status: str) -> str:
         elapsed = time.monotonic() - self._start
@@ -190,7 +197,7 @@ class LiveView:
 
     def _pace(self, running: bool) -> list[str]:
         """Step (of the total), samples/s and, while running, the time left or why none."""
-        now = pace(self._records, time.time())
+        now = pace(self._records, time.time(), self._round_of)
         parts = [f"step {now['step']}" + (f"/{now['total']:.0f}" if now["total"] is not None else "")]
         if now["samples_per_s"] is not None:
             parts.append(f"{now['samples_per_s']:,.0f} samples/s")
@@ -204,7 +211,7 @@ class LiveView:
         """The loss at the latest step any rank logged one, averaged over the ranks that did:
         each rank's loss is its own batch's, so the last line to arrive (rank 0's or rank 1's,
         by chance) would make two identical runs print different figures."""
-        keyed = [((number, r["step"]), r) for r, number in zip(self._records, _rounds(self._records))
+        keyed = [((number, r["step"]), r) for r, number in zip(self._records, self._round_of)
                  if isinstance(r.get("loss"), (int, float))]
         if not keyed:
             return ""
@@ -232,7 +239,7 @@ class LiveView:
 
         df = pd.DataFrame.from_records(self._records)
         df["loss"] = pd.to_numeric(df["loss"], errors="coerce")
-        df["stretch"] = _stretches(self._records)
+        df["stretch"] = _stretches(self._records, self._round_of)
         ranks = sorted(df.loc[df["loss"].notna(), "rank"].unique())
         fig = Figure(figsize=(7, 3.4), dpi=90)
         ax = fig.subplots()
@@ -244,7 +251,7 @@ class LiveView:
                     draw_curve(ax, metric_curve(part, x="step", y="loss"), label=label,
                                color=f"C{colour % 10}", mark_restarts=False)
                     label = "_nolegend_"  # one legend entry per rank
-        _mark_rounds(ax, self._records)
+        _mark_rounds(ax, self._starts)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss (each rank's own batches)" if len(ranks) > 1 else "loss")
         ax.grid(alpha=0.3)

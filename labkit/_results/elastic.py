@@ -32,15 +32,18 @@ def round_starts(records, *, step_back: bool = True) -> list[dict]:
         [(r["world_size"], r.get("resumed_from")) for r in starts]
     """
     zero = sorted((r for r in records if r.get("rank") == 0), key=lambda r: r["time"])
-    starts, previous = [], None
-    for row in zero:
-        if previous is None or _given(row.get("resumed_from")) \
-                or _value(row, "world_size") != _value(previous, "world_size") \
-                or _value(row, "restart", 0) != _value(previous, "restart", 0) \
-                or (step_back and row["step"] < previous["step"]):
-            starts.append(row)
-        previous = row
-    return starts
+    return [row for previous, row in zip([None, *zero], zero)
+            if previous is None or begins_again(row, previous, step_back=step_back)]
+
+
+def begins_again(row: dict, previous: dict, *, step_back: bool = True) -> bool:
+    """True where one rank's line ``row`` says its rank started again after ``previous``: its
+    world size or restart count changed, it logged ``resumed_from``, or (``step_back``) its
+    step went back."""
+    return (_given(row.get("resumed_from"))
+            or _value(row, "world_size") != _value(previous, "world_size")
+            or _value(row, "restart", 0) != _value(previous, "restart", 0)
+            or (step_back and row["step"] < previous["step"]))
 
 
 def _assign_rounds(df):
