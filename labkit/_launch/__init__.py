@@ -13,7 +13,8 @@ Owns, in the order a launch uses them:
     supervise   stopping a launch; asking its ranks where they are
     failures    what failed, root cause first, and its HINT
     tracebacks  an interrupted launch's traceback without labkit's frames
-    live        the progress line (step of the total, samples/s, time left) and live loss chart
+    live        the progress line (step of the total, samples/s, time left), live in the cell
+    live_chart  its loss chart: one line per rank and stretch, each round marked
     stop        the live view's Stop button: the toolbar's interrupt, sent from the page
     tail        following a file that grows, line by line
     sweep       ``sweep``: several world sizes, repeated

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from labkit import _rundir
+from labkit._launch.live_chart import loss_figure, rounds_of
 from labkit._launch.stop import kernel_id, stop_button
 from labkit._launch.tail import LineTail, parse_records
 
@@ -50,9 +51,9 @@ def pace(records: list[dict], now: float, rounds: list[int] | None = None) -> di
         ``samples_per_s`` (all ranks, since each one's first line; None before two lines with
         ``samples``) and ``eta_s`` (seconds left at the rate so far, from ``now``, an epoch
         time; None without a total or a rate yet). ``rounds``: each line's round, if known
-        (``_rounds``).
+        (``rounds_of``).
     """
-    rounds = _rounds(records) if rounds is None else rounds
+    rounds = rounds_of(records) if rounds is None else rounds
     recent = [r for r, number in zip(records, rounds) if number == max(rounds)]
     totals = [r[TOTAL] for r in records if isinstance(r.get(TOTAL), (int, float))]
     step = max(r["step"] for r in recent)
@@ -72,67 +73,6 @@ def pace(records: list[dict], now: float, rounds: list[int] | None = None) -> di
     if total is not None and steps > 0 and span > 0:
         eta = max(0.0, (total - lines[-1]["step"]) * span / steps - (now - lines[-1]["time"]))
     return {"step": step, "total": total, "samples_per_s": sum(rates) if rates else None, "eta_s": eta}
-
-
-def _rounds(records: list[dict], starts: list[dict] | None = None) -> list[int]:
-    """The round of each line: 0 until rank 0 first restarted or changed world size, then 1, ...
-    (``round_starts``; a line stamped before rank 0's first line is in round 0). A new round is
-    a new set of processes: a rank absent from one (a node that left) comes back in a later one,
-    not where it left off, and a node that joined counts its restarts from 0. ``starts``: the
-    rounds' first lines, if known."""
-    from bisect import bisect_right
-
-    from labkit._results.elastic import round_starts
-
-    starts = round_starts(records, step_back=False) if starts is None else starts
-    times = [r["time"] for r in starts]
-    return [max(0, bisect_right(times, r["time"]) - 1) for r in records]
-
-
-def _stretches(records: list[dict], rounds: list[int]) -> list[int]:
-    """The stretch of each line: one process of its rank, from its start to its end. A rank's
-    stretch ends where its own lines say it started again (its restart count or world size
-    changed, or it logged ``resumed_from``), or where the run's round changed (``_rounds``: a
-    node that joins may start again at restart 0 and the same world size, as a new rank 1).
-    A rank that started again a moment before rank 0 did keeps its new stretch when the round
-    then changes. ``rounds``: each line's round (``_rounds``)."""
-    from labkit._results.elastic import begins_again
-
-    numbers = [0] * len(records)
-    count = 0
-    for rank in {r.get("rank") for r in records}:
-        mine = sorted((i for i, r in enumerate(records) if r.get("rank") == rank),
-                      key=lambda i: records[i]["time"])
-        early = False  # started again, and the round it started is still to come
-        for before, i in zip([None, *mine], mine):
-            line = records[i]
-            if before is not None:
-                new_round = rounds[i] != rounds[before]
-                if begins_again(line, records[before], step_back=False):
-                    count, early = count + 1, not new_round
-                elif new_round:
-                    count, early = count + (not early), False
-            else:
-                count += 1
-            numbers[i] = count
-    return numbers
-
-
-def _mark_rounds(ax, starts: list[dict]) -> None:
-    """A dashed line where each round after the first began (``starts``: rank 0's first line of
-    each), at the step rank 0 went on from, saying what changed: ``restart 1`` (torchrun
-    restarted the workers), ``1 rank`` (a node left or joined), or both."""
-    for k, (before, start) in enumerate(zip(starts, starts[1:])):
-        changed = []
-        if start.get("restart", 0) != before.get("restart", 0):
-            changed.append(f"restart {start.get('restart', 0)}")
-        size = start.get("world_size")
-        if size != before.get("world_size") and size is not None:
-            changed.append(f"{size} rank{'s' * (size != 1)}")
-        ax.axvline(start["step"], color="0.35", ls="--", lw=1, alpha=0.8)
-        ax.annotate(", ".join(changed) or "resumed", (start["step"], 1),
-                    xycoords=("data", "axes fraction"), xytext=(3, -12 - 10 * (k % 2)),
-                    textcoords="offset points", fontsize=8, color="0.25")
 
 
 def in_notebook() -> bool:
@@ -183,7 +123,7 @@ class LiveView:
             from labkit._results.elastic import round_starts
 
             self._starts = round_starts(self._records, step_back=False)
-            self._round_of = _rounds(self._records, self._starts)
+            self._round_of = rounds_of(self._records, self._starts)
 
     def _progress(self, status: str) -> str:
         elapsed = time.monotonic() - self._start
@@ -226,40 +166,8 @@ class LiveView:
         return f"loss {mean:.4f} (mean of {lines}{ranks} rank{'s' * (ranks > 1)})"
 
     def _figure(self, title: str):
-        """The loss of every rank so far: one line per rank and round, each round after the first
-        marked where it began (a restart, or a node that left or joined). A rank absent from a
-        round (its node had left, lesson 10) has a gap there, not a line across it. None before
-        any loss. Every record goes to ``metric_curve``, not only those with a loss."""
-        if not any(isinstance(r.get("loss"), (int, float)) for r in self._records):
-            return None
-        import pandas as pd
-        from matplotlib.figure import Figure
-
-        from labkit._results.plots import draw_curve, metric_curve
-
-        df = pd.DataFrame.from_records(self._records)
-        df["loss"] = pd.to_numeric(df["loss"], errors="coerce")
-        df["stretch"] = _stretches(self._records, self._round_of)
-        ranks = sorted(df.loc[df["loss"].notna(), "rank"].unique())
-        fig = Figure(figsize=(7, 3.4), dpi=90)
-        ax = fig.subplots()
-        for colour, rank in enumerate(ranks):
-            mine = df[df["rank"] == rank].sort_values("time", kind="stable")
-            label = f"rank {rank}"
-            for _, part in mine.groupby("stretch", sort=False):
-                if part["loss"].notna().any():
-                    draw_curve(ax, metric_curve(part, x="step", y="loss"), label=label,
-                               color=f"C{colour % 10}", mark_restarts=False)
-                    label = "_nolegend_"  # one legend entry per rank
-        _mark_rounds(ax, self._starts)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss (each rank's own batches)" if len(ranks) > 1 else "loss")
-        ax.grid(alpha=0.3)
-        if len(ranks) > 1:
-            ax.legend(fontsize=8, ncol=min(4, len(ranks)))
-        ax.set_title(title, fontsize=10)
-        fig.tight_layout()
-        return fig
+        """The chart so far (``loss_figure``), or None before any loss."""
+        return loss_figure(self._records, self._round_of, self._starts, title)
 
     def _render(self, title: str) -> bytes | None:
         fig = self._figure(title)
