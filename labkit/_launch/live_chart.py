@@ -1,9 +1,9 @@
 """The live view's chart: the loss of every rank so far, across restarts and elastic rounds.
 
-A run's metrics lines come in rounds: a new round begins where rank 0 first restarted, or the
-world size changed (``round_starts``). Within a round, each rank's lines are one stretch of one
-process. The chart draws one line per rank and stretch, so a rank absent from a round (its node
-had left, lesson 10) has a gap there, and marks where each round after the first began.
+A run's metrics lines come in rounds: a new round begins where rank 0 restarted, resumed, or
+saw the world size change (``round_starts``). A rank's lines come in stretches, one per process
+of that rank. The chart draws one line per rank and stretch, so a rank absent from a round (its
+node had left, lesson 10) has a gap there, and marks where each round after the first began.
 """
 
 from __future__ import annotations
