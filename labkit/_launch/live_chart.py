@@ -11,17 +11,13 @@ from __future__ import annotations
 
 def rounds_of(records: list[dict], starts: list[dict] | None = None) -> list[int]:
     """The round of each line: 0 until rank 0 first restarted or changed world size, then 1, ...
-    (``round_starts``; a line stamped before rank 0's first line is in round 0). A new round is
-    a new set of processes: a rank absent from one (a node that left) comes back in a later one,
-    not where it left off, and a node that joined counts its restarts from 0. ``starts``: the
-    rounds' first lines, if known."""
-    from bisect import bisect_right
-
-    from labkit._results.elastic import round_starts
+    (``round_of``). A new round is a new set of processes: a rank absent from one (a node that
+    left) comes back in a later one, not where it left off, and a node that joined counts its
+    restarts from 0. ``starts``: the rounds' first lines (``round_starts``), if known."""
+    from labkit._results.elastic import round_of, round_starts
 
     starts = round_starts(records, step_back=False) if starts is None else starts
-    times = [r["time"] for r in starts]
-    return [max(0, bisect_right(times, r["time"]) - 1) for r in records]
+    return round_of([r["time"] for r in records], starts)
 
 
 def stretches(records: list[dict], rounds: list[int]) -> list[int]:

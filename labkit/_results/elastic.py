@@ -46,9 +46,18 @@ def begins_again(row: dict, previous: dict, *, step_back: bool = True) -> bool:
             or (step_back and row["step"] < previous["step"]))
 
 
-def _assign_rounds(df):
-    """The times at which the rounds of an elastic run began (``round_starts`` of its lines)."""
-    return [row["time"] for row in round_starts(df.to_dict("records"))]
+def round_of(times, starts: list[dict]) -> list[int]:
+    """The round of each time: the last of ``starts`` (``round_starts``) that began at or before
+    it; a time before the first start (a rank that logged a moment before rank 0) is in round 0."""
+    from bisect import bisect_right
+
+    begun = [row["time"] for row in starts]
+    return [max(0, bisect_right(begun, t) - 1) for t in times]
+
+
+def _assign_rounds(df) -> list[int]:
+    """The round of each line of an elastic run's metrics (``round_of`` its ``round_starts``)."""
+    return round_of(df["time"], round_starts(df.to_dict("records")))
 
 
 def elastic_losses(run):
@@ -73,10 +82,9 @@ def elastic_losses(run):
         losses.groupby("round")["loss"].last()
     """
     df = run.metrics()
-    starts = _assign_rounds(df)
+    df = df.assign(round=_assign_rounds(df))
     origin = run.info.get("start_time") or df["time"].min()
     df = df[df["loss"].notna()].copy()
-    df["round"] = [sum(t >= s for s in starts) - 1 for t in df["time"]]
     out = df.groupby(["round", "step"], sort=True).agg(
         world_size=("world_size", "max"), time=("time", "max"), loss=("loss", "mean"),
         ranks=("rank", "nunique")).reset_index()
@@ -104,10 +112,9 @@ def elastic_rounds(run):
     import pandas as pd
 
     df = run.metrics()
-    starts = _assign_rounds(df)
+    df = df.assign(round=_assign_rounds(df))
     origin = run.info.get("start_time") or df["time"].min()
     zero = df[df["rank"] == 0].copy()
-    zero["round"] = [sum(t >= s for s in starts) - 1 for t in zero["time"]]
     losses = elastic_losses(run)
     rows = []
     for number, part in zero.groupby("round"):
@@ -226,8 +233,7 @@ def elastic_resumes(run, *, tol: float) -> Resumes:
     rounds = elastic_rounds(run)
     losses = elastic_losses(run).set_index(["round", "step"])["loss"]
     df = run.metrics()
-    starts = _assign_rounds(df)
-    df["round"] = [sum(t >= s for s in starts) - 1 for t in df["time"]]
+    df = df.assign(round=_assign_rounds(df))
     restarts = df.groupby("round")["restart"].max() if "restart" in df else {}
     rows, previous = [], None
     for row in rounds.itertuples():
