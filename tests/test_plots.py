@@ -53,6 +53,35 @@ def test_restart_marker_sits_where_the_attempt_resumed_not_at_its_first_loss(tmp
     assert marker.get_xdata()[0] == 2 and ax.texts[0].get_text() == "restart 1"
 
 
+def test_an_elastic_run_is_one_curve_round_by_round_each_round_marked(tmp_path):
+    """Lesson 10's shape: 2 ranks, a node leaves (1 rank resumes from step 2), a node joins
+    (2 ranks resume from step 4). The joining node's rank counts its restarts from 0 again: the
+    curve still averages it with rank 0 of its own round, not with the first round."""
+    def line(rank, step, time, loss, restart, world, **extra):
+        return {**rec(rank, step, time, loss=loss, **extra), "restart": restart, "world_size": world}
+    rank0 = [line(0, 1, 1.0, 4.0, 0, 2), line(0, 2, 2.0, 3.0, 0, 2), line(0, 3, 3.0, 2.6, 0, 2),
+             line(0, 3, 5.0, 2.8, 1, 1, resumed_from=2), line(0, 4, 6.0, 2.4, 1, 1),
+             line(0, 5, 8.0, 2.0, 2, 2, resumed_from=4), line(0, 6, 9.0, 1.6, 2, 2)]
+    rank1 = [line(1, 1, 1.1, 6.0, 0, 2), line(1, 2, 2.1, 5.0, 0, 2), line(1, 3, 3.1, 4.6, 0, 2),
+             line(1, 5, 8.1, 3.0, 0, 2), line(1, 6, 9.1, 2.6, 0, 2)]  # the new node's rank 1
+    run = make_run(tmp_path, {0: rank0, 1: rank1})
+    curve = metric_curve(run.metrics(), x="step", y="loss")
+    assert curve["round"].tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert curve["x"].tolist() == [1, 2, 3, 3, 4, 5, 6]
+    assert curve["y"].tolist() == pytest.approx([5.0, 4.0, 3.6, 2.8, 2.4, 2.5, 2.1])  # 2: both ranks
+    ax = labkit.plot_loss(run)
+    assert [t.get_text() for t in ax.texts] == ["restart 1, 1 rank", "restart 2, 2 ranks"]
+    assert [m.get_xdata()[0] for m in ax.lines[1:]] == [3, 5]  # where each round logged first
+
+
+def test_a_round_that_only_resumed_is_marked_resumed():
+    from labkit._results.elastic import what_changed
+    assert what_changed({"restart": 0, "world_size": 2}, {"restart": 0, "world_size": 2,
+                                                           "resumed_from": 4}) == "resumed"
+    assert what_changed({"restart": 1.0, "world_size": 4.0},
+                        {"restart": 2.0, "world_size": 1.0}) == "restart 2, 1 rank"
+
+
 def test_plot_errors_are_clear(tmp_path):
     run = make_run(tmp_path, {0: [rec(0, 1, 1.0, loss=2.0)]})
     with pytest.raises(NoMetricsError, match=r"logged no 'test_acc' \(it logged: step, restart, loss\)"):

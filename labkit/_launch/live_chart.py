@@ -51,19 +51,13 @@ def stretches(records: list[dict], rounds: list[int]) -> list[int]:
 
 def mark_rounds(ax, starts: list[dict]) -> None:
     """A dashed line where each round after the first began (``starts``: rank 0's first line of
-    each), at the step rank 0 went on from, saying what changed: ``restart 1`` (torchrun
-    restarted the workers), ``1 rank`` (a node left or joined), or both."""
+    each), at the step rank 0 went on from, saying what changed (``what_changed``): ``restart 1``
+    (torchrun restarted the workers), ``1 rank`` (a node left or joined), or both."""
+    from labkit._results.elastic import what_changed
+    from labkit._results.plots import mark_round
+
     for k, (before, start) in enumerate(zip(starts, starts[1:])):
-        changed = []
-        if start.get("restart", 0) != before.get("restart", 0):
-            changed.append(f"restart {start.get('restart', 0)}")
-        size = start.get("world_size")
-        if size != before.get("world_size") and size is not None:
-            changed.append(f"{size} rank{'s' * (size != 1)}")
-        ax.axvline(start["step"], color="0.35", ls="--", lw=1, alpha=0.8)
-        ax.annotate(", ".join(changed) or "resumed", (start["step"], 1),
-                    xycoords=("data", "axes fraction"), xytext=(3, -12 - 10 * (k % 2)),
-                    textcoords="offset points", fontsize=8, color="0.25")
+        mark_round(ax, start["step"], what_changed(before, start), color="0.3", row=k % 2)
 
 
 def loss_figure(records: list[dict], rounds: list[int], starts: list[dict], title: str):

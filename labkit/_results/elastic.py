@@ -55,6 +55,26 @@ def round_of(times, starts: list[dict]) -> list[int]:
     return [max(0, bisect_right(begun, t) - 1) for t in times]
 
 
+def what_changed(before: dict, start: dict) -> str:
+    """What began a round (``start``, rank 0's first line of it) after the round that began at
+    ``before``: ``"restart 1"`` (torchrun restarted the workers), ``"1 rank"`` (a node left or
+    joined), both, or ``"resumed"`` (the script logged ``resumed_from`` and nothing else changed).
+
+    Example::
+
+        what_changed({"restart": 0, "world_size": 4}, {"restart": 1, "world_size": 2})
+        # 'restart 1, 2 ranks'
+    """
+    changed = []
+    restart = _value(start, "restart", 0)
+    if restart != _value(before, "restart", 0):
+        changed.append(f"restart {int(restart)}")
+    size = _value(start, "world_size")
+    if size is not None and size != _value(before, "world_size"):
+        changed.append(f"{int(size)} rank{'s' * (size != 1)}")
+    return ", ".join(changed) or "resumed"
+
+
 def _assign_rounds(df) -> list[int]:
     """The round of each line of an elastic run's metrics (``round_of`` its ``round_starts``)."""
     return round_of(df["time"], round_starts(df.to_dict("records")))

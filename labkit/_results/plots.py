@@ -14,11 +14,22 @@ _X_LABELS = {
 def metric_curve(df, *, x: str, y: str, start_time: float | None = None):
     """One curve from a metrics DataFrame: the mean of ``y`` over ranks at each logged step.
 
-    Returns a DataFrame with columns ``x``, ``y``, ``restart``, in logging order. Its
-    ``attrs["restart_x"]`` maps each restart count to the first ``x`` that attempt logged
-    anything at (a script that logs where it resumed gets its marker there, not at its
-    first loss).
+    Returns a DataFrame with columns ``x``, ``y``, ``round``, in logging order. A new round
+    begins where rank 0 restarted, resumed or saw the world size change (``round_starts``): a
+    torchrun restart (lesson 05), a node that left or joined (lesson 10). Ranks are averaged
+    within a round only, so a node that joined and counts its restarts from 0 does not mix with
+    the first round. ``attrs["round_x"]`` maps each round to the first ``x`` it logged anything
+    at (a script that logs where it resumed gets its marker there, not at its first loss), and
+    ``attrs["round_marks"]`` each round after the first to what changed
+    (``labkit._results.elastic.what_changed``).
+
+    Example::
+
+        curve = metric_curve(run.metrics(), x="step", y="loss")
+        curve.attrs["round_marks"]   # {1: 'restart 1'} after one torchrun restart
     """
+    from labkit._results.elastic import round_of, round_starts, what_changed
+
     if x not in _X_LABELS:
         raise ValueError(f"x must be one of {sorted(_X_LABELS)}, got {x!r}")
     if y not in df.columns:
@@ -36,25 +47,38 @@ def metric_curve(df, *, x: str, y: str, start_time: float | None = None):
         df["_x"] = df["time"] - origin
     else:
         df["_x"] = df["step"]
-    restart_x = df.groupby("restart", sort=False)["_x"].first().to_dict()
+    # step_back=False: a script may log a second experiment from step 0 in one run (lesson 13).
+    starts = round_starts(df.to_dict("records"), step_back=False)
+    df["round"] = round_of(df["time"], starts)
+    round_x = df.groupby("round", sort=False)["_x"].first().to_dict()
     df = df[df[y].notna()]
-    curve = df.groupby(["restart", "step"], sort=False).agg(
-        x=("_x", "max"), y=(y, "mean")).reset_index()[["x", "y", "restart"]]
-    curve.attrs["restart_x"] = restart_x
+    curve = df.groupby(["round", "step"], sort=False).agg(
+        x=("_x", "max"), y=(y, "mean")).reset_index()[["x", "y", "round"]]
+    curve.attrs["round_x"] = round_x
+    curve.attrs["round_marks"] = {k: what_changed(before, start)
+                                  for k, (before, start) in enumerate(zip(starts, starts[1:]), 1)}
     return curve
 
 
+def mark_round(ax, x, text: str, *, color, row: int = 0):
+    """A dashed line at ``x`` where a round began, labelled ``text`` at the top of the axes
+    (``row`` 1 writes it one line lower, so that two marks close together stay legible)."""
+    ax.axvline(x, color=color, ls="--", lw=1, alpha=0.75)
+    ax.annotate(text, (x, 1), xycoords=("data", "axes fraction"), xytext=(3, -12 - 10 * row),
+                textcoords="offset points", fontsize=8, color=color)
+
+
 def draw_curve(ax, curve, *, label: str, color=None, mark_restarts: bool = True):
-    """Draw a curve from ``metric_curve``; a dashed line marks where each torchrun restart began."""
+    """Draw a curve from ``metric_curve``; a dashed line in the curve's colour marks where each
+    round after the first began, saying what changed (a restart, the world size)."""
     line, = ax.plot(curve["x"], curve["y"], label=label, color=color, lw=1.6)
     if mark_restarts:
-        for restart in sorted(set(curve["restart"]) - {0}):
-            first_x = curve.attrs.get("restart_x", {}).get(
-                restart, curve.loc[curve["restart"] == restart, "x"].iloc[0])
-            ax.axvline(first_x, color=line.get_color(), ls="--", lw=1, alpha=0.7)
-            ax.annotate(f"restart {restart}", (first_x, 1), xycoords=("data", "axes fraction"),
-                        xytext=(3, -12), textcoords="offset points", fontsize=8,
-                        color=line.get_color())
+        marks = curve.attrs.get("round_marks", {})
+        for k in sorted(set(curve["round"]) - {0}):
+            first_x = curve.attrs.get("round_x", {}).get(
+                k, curve.loc[curve["round"] == k, "x"].iloc[0])
+            mark_round(ax, first_x, marks.get(k, f"round {k}"), color=line.get_color(),
+                       row=(k - 1) % 2)
     return line
 
 
