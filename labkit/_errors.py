@@ -97,7 +97,8 @@ class RankFailure:
         exit_code: the rank's exit code, when known.
         exc_type: the exception's class name, e.g. ``"ValueError"`` ("" if none was recorded).
         message: the exception's message.
-        traceback: the traceback from the script's first frame ("" if none).
+        traceback: the traceback from the script's first frame ("" if none); for a rank a
+            native crash killed, the Python stack it printed then (most recent call first).
         output_tail: the last lines the rank printed.
         time: when the failure was recorded (seconds since the epoch), or None.
         secondary: True when the rank most likely died only because a peer went away.
@@ -193,10 +194,14 @@ class LaunchError(LabkitError):
         if self.failures:
             first = self.failures[0]
             parts.append(first.headline())
-            if first.traceback:
+            if first.exc_type and first.traceback:
                 parts.append(_tail(first.traceback, 12))
-            elif first.output_tail:
-                parts.append("  its last output:\n" + _tail(first.output_tail, 8))
+            else:  # no Python exception: what the rank said last, then where it was (a crash)
+                if first.output_tail:
+                    parts.append("  its last output:\n" + _tail(first.output_tail, 8))
+                if first.traceback:
+                    parts.append("  its Python stack when it died (most recent call first):\n"
+                                 + _tail(first.traceback, 12))
             others = self.failures[1:]
             same = [o.rank for o in others if same_error(o, first)]
             if same:

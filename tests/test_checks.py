@@ -161,13 +161,16 @@ def test_a_run_that_stopped_says_so_instead_of_counting_checks(workdir, write_sc
 @pytest.mark.launch
 def test_a_run_that_failed_without_an_exception_is_explained_not_summarised(workdir, write_script):
     """A collective only rank 0 calls: gloo aborts rank 0 (SIGABRT). The check names the rank,
-    the signal, its last output and what to look for, not "torchrun exited with code 1". Exactly
+    the signal, the line it was on, its last output and what to look for, not "torchrun exited with code 1". Exactly
     two ranks: which rank gloo aborts depends on how its ring pairs them."""
     write_script("mine.py", MISMATCH.replace("SIZE", "1000"))
     feedback, run = attempt("02-ddp", "mine.py", nproc=2, device="cpu", timeout_s=120)
     assert run is None and feedback.stopped and feedback.status == "failed"
     [message] = feedback.messages("fail")
-    assert message.startswith("rank 0 failed (exit code -6): killed by SIGABRT; its last output: …")
+    # The line rank 0 was on when gloo aborted it: the collective only it calls (its Python
+    # stack, which the rank's entry point prints on a fatal signal).
+    assert message.startswith("rank 0 failed (exit code -6): killed by SIGABRT at mine.py:5 in "
+                              "<module>, inside all_reduce (distributed_c10d.py); its last output: …")
     assert "Is there a distributed collective mismatch in your code?" in message
     assert ("Rank 0's output says the ranks' collectives did not match: every rank must call the same "
             "collectives in the same order") in message

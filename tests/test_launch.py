@@ -393,10 +393,14 @@ DOUBLE_FREE = """
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
     print("rank", os.environ["RANK"], "allocates", flush=True)
-    if os.environ["RANK"] == "1":
+
+    def free_twice():
         block = libc.malloc(64)
         libc.free(block)
         libc.free(block)
+
+    if os.environ["RANK"] == "1":
+        free_twice()
 """
 
 
@@ -411,6 +415,13 @@ def test_a_rank_glibc_aborts_for_a_corrupted_heap_gets_that_hint(workdir, write_
     assert "free(): double free detected" in err.failures[0].output_tail
     assert err.hint.startswith("glibc found its heap memory corrupted and aborted rank 1 (\"free(): "
                                "double free detected"), err.hint
+    # The rank's entry point printed its Python stack as it died: the failure says the line.
+    assert err.failures[0].message == "killed by SIGABRT at double_free.py:9 in free_twice", err
+    assert "Fatal Python error" not in err.failures[0].output_tail
+    stack = err.failures[0].traceback
+    assert 'File "double_free.py", line 9 in free_twice' in stack
+    assert stack.rstrip().endswith('File "double_free.py", line 12 in <module>'), stack
+    assert "its Python stack when it died (most recent call first):" in str(err)
     assert all_gone(err.run.run_dir, timeout=5)
 
 

@@ -14,6 +14,7 @@ import signal
 from pathlib import Path
 
 from labkit import _rundir
+from labkit._diagnose import stacks
 from labkit._diagnose.stacks import waiting_place
 from labkit._errors import RankFailure, same_error
 
@@ -22,6 +23,11 @@ _TORCHRUN_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+
 # torchrun's closing summary lists every failed worker; the line above names only the first
 # it saw (rank 0 aborted by gloo can come second to rank 1 that lost it).
 _TORCHRUN_SUMMARY_RE = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)")
+
+# What a rank's entry point (faulthandler) prints on a fatal signal, before its Python stacks.
+_CRASH_RE = re.compile(r"^(?:\[rank\d+\] )?Fatal Python error: ")
+# faulthandler's last line after the stacks: every extension module loaded (one long line).
+_EXTENSIONS_RE = re.compile(r"^(?:\[rank\d+\] )?Extension modules: ")
 
 # A lost peer's message that says the rank gave up waiting, rather than that the peer left.
 _TIMED_OUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
@@ -60,8 +66,28 @@ def _signalled(run_dir: Path, nnodes: int) -> dict[int, int]:
     return found
 
 
-def _from_signal(rank: int, code: int, tail: str) -> RankFailure:
-    """A rank that ended without a Python exception: killed by a signal, or an exit code."""
+def split_crash(tail: str) -> tuple[str, list[str]]:
+    """A rank's last lines cut where a native crash began: what it printed before (glibc's or
+    gloo's last words among them) and the Python stacks faulthandler printed then (the rank's
+    entry point asks for them), without faulthandler's list of extension modules. No crash:
+    ``(tail, [])``.
+
+    Example::
+
+        before, dump = split_crash("step 3\\nFatal Python error: Aborted\\n\\nCurrent thread ...")
+    """
+    lines = tail.splitlines()
+    begins = [i for i, line in enumerate(lines) if _CRASH_RE.match(line)]
+    if not begins:
+        return tail, []
+    dump = [line for line in lines[begins[-1] + 1:] if not _EXTENSIONS_RE.match(line)]
+    return "\n".join(lines[:begins[-1]]), dump
+
+
+def _from_signal(rank: int, code: int, tail: str, script: str | None = None) -> RankFailure:
+    """A rank that ended without a Python exception: killed by a signal, or an exit code. A
+    native crash's Python stacks (``split_crash``) become its traceback, cut to the thread
+    that runs ``script``, and say in its message which of the script's lines it was on."""
     if code < 0:
         try:
             what = f"killed by {signal.Signals(-code).name}"
@@ -70,19 +96,28 @@ def _from_signal(rank: int, code: int, tail: str) -> RankFailure:
         secondary = -code in (signal.SIGTERM, signal.SIGINT)
     else:
         what, secondary = f"exited with code {code} without a Python exception", False
-    return RankFailure(rank=rank, exit_code=code, exc_type="", message=what, traceback="",
+    tail, dump = split_crash(tail)
+    stack = ""
+    if dump:
+        script = script or ""
+        place = stacks.where("\n".join(dump), script, stacks.FAULTHANDLER) if script else None
+        if place:
+            what += f" at {place}"
+        stack = "\n".join(stacks.excerpt(dump, script, stacks.FAULTHANDLER))
+    return RankFailure(rank=rank, exit_code=code, exc_type="", message=what, traceback=stack,
                        output_tail=tail, time=None, secondary=secondary)
 
 
-def collect_failures(run_dir: Path, streams) -> tuple[list[RankFailure], int]:
+def collect_failures(run_dir: Path, streams, script: str | None = None,
+                     ) -> tuple[list[RankFailure], int]:
     """The failures of the last attempt, root cause first, and how many restarts happened.
 
     ``streams``: the launch's ``Streams`` (its ``attempts``, ``nnodes`` and each rank's last
-    lines).
+    lines). ``script``: the launched script, where a native crash's stack is placed.
 
     Example (the launcher, once the run has ended)::
 
-        found, restarts = collect_failures(run.run_dir, streams)
+        found, restarts = collect_failures(run.run_dir, streams, run.info["script"])
     """
     records = _error_records(run_dir)
     last_restart = max([r["restart"] for r in records] + streams.attempts)
@@ -101,7 +136,7 @@ def collect_failures(run_dir: Path, streams) -> tuple[list[RankFailure], int]:
             time=rec["time"], secondary=RankFailure.looks_secondary(rec["message"] + rec["traceback"]),
         ))
     recorded = {f.rank for f in found}
-    found += [_from_signal(rank, code, tail(rank))
+    found += [_from_signal(rank, code, tail(rank), script)
               for rank, code in _signalled(run_dir, streams.nnodes).items() if rank not in recorded]
     found.sort(key=lambda f: (f.secondary, f.exc_type == "", f.time or float("inf"), f.rank))
     return found, last_restart
@@ -165,6 +200,11 @@ def timeout_hint(stacks: dict, *, verb: str = "wait") -> str:
             "others never reach, is the one to read first.")
 
 
+def _stack_says(failure: RankFailure) -> str:
+    """The HINT's words for a native crash's Python stack, when the rank printed one."""
+    return ", and its Python stack which of your lines called into it" if failure.traceback else ""
+
+
 def _exit_hint(first: RankFailure) -> str:
     """What a rank that failed without a Python exception most likely met: its exit code, or
     the signal that killed it (which one says most)."""
@@ -185,10 +225,11 @@ def _exit_hint(first: RankFailure) -> str:
                     f"Python. It strikes rarely and at random: run the cell again. If it comes back, "
                     f"report it with these lines and labkit.doctor()'s output.")
         return (f"rank {first.rank} was aborted (SIGABRT) by PyTorch's C++ runtime, not by a Python "
-                f"exception: its last lines (above) say why.")
+                f"exception: its last lines (above) say why{_stack_says(first)}.")
     if sig in (getattr(signal, "SIGSEGV", None), getattr(signal, "SIGBUS", None)):
         return (f"rank {first.rank} crashed inside native code (a C++ extension, a library): its "
-                f"last lines (above) may say where; err.run.output({first.rank}) has them all.")
+                f"last lines (above) may say where{_stack_says(first)}; "
+                f"err.run.output({first.rank}) has them all.")
     if sig in (signal.SIGTERM, signal.SIGINT):
         return f"rank {first.rank} was stopped from outside (torchrun, or someone else)."
     return (f"rank {first.rank} was killed by a signal: its last lines (above) may say why; "

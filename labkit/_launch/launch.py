@@ -277,7 +277,7 @@ def _conclude(run: Run, streams, stacks: dict, emit) -> Run:
             summary,
             last_steps=last_steps, stacks=stacks, run=run, hint=timeout_hint(stacks),
         )
-    failures, restarts = collect_failures(run.run_dir, streams)
+    failures, restarts = collect_failures(run.run_dir, streams, run.info.get("script"))
     if run.status == "ok":
         if restarts:
             emit(f"note: torchrun restarted the workers {restarts} time(s); the run then finished.")

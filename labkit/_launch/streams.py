@@ -28,7 +28,9 @@ _TCPSTORE_NOISE = re.compile(r"^\[W\d{4} [\d:.]+ (?:\d+ )?(TCPStore|socket)\.cpp
 #: Lines of each rank's stack dump that a timeout shows in the cell; the whole dump stays in
 #: the rank's log (64 ranks of ~60 lines each used to flood the notebook).
 DUMP_LINES = 12
-
+#: Lines of each rank's output kept for a failure's report: enough for what the rank said
+#: before it died *and* the Python stacks a native crash prints after (``failures.split_crash``).
+RECENT_LINES = 200
 
 
 class Streams:
@@ -167,7 +169,7 @@ class Streams:
                           f"{where[0] if where else self.run_dir}")
 
     def _line(self, rank: int, line: str) -> None:
-        self.recent.setdefault(rank, deque(maxlen=40)).append(line)
+        self.recent.setdefault(rank, deque(maxlen=RECENT_LINES)).append(line)
         if self._held is not None:
             self._held.setdefault(rank, []).append(line)
             return

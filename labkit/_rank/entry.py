@@ -18,7 +18,10 @@ would) it:
    raised (see ``labkit._rank.sigterm``);
 6. once the script has returned, stops its DataLoader workers while the interpreter
    still works (see ``_stop_loader_workers``);
-7. ends the rank without the interpreter's final teardown (see ``_exit``).
+7. ends the rank without the interpreter's final teardown (see ``_exit``);
+8. on a fatal signal from native code (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) prints
+   every thread's Python stack before the rank dies by it, so that a crash inside PyTorch
+   or gloo says which line of the script called into it (``labkit._launch.failures``).
 
 An uncaught exception is written, with its traceback, to torchrun's error file
 and to the run folder's ``errors/`` for LaunchError to report.
@@ -145,6 +148,7 @@ def main(argv: list[str]) -> int:
         name="labkit-watch",
         daemon=True,
     ).start()
+    faulthandler.enable(all_threads=True)  # to stderr, which is stdout's file from here on
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     sigterm.flush_on_sigterm()
