@@ -87,8 +87,11 @@ def test_a_native_crash_is_placed_on_the_scripts_line_and_keeps_what_came_before
     assert "glibc found its heap memory corrupted and aborted rank 1" in text
 
 
-def test_without_a_crash_the_tail_is_left_whole():
+def test_without_a_crash_at_its_end_the_tail_is_left_whole():
     assert split_crash("a\nb") == ("a\nb", [])
     before, dump = split_crash("a\nFatal Python error: Segmentation fault\n\n"
                                'Current thread 0x1 (most recent call first):\n  File "x.py", line 2 in f')
     assert before == "a" and dump[-1] == '  File "x.py", line 2 in f'
+    restarted = CRASH + "\ndata: synthetic CIFAR-like set\nstep 1 done"  # torchrun restarted it
+    assert split_crash(restarted) == (restarted, [])
+    assert split_crash(CRASH)[1][-1] == '  File "<frozen runpy>", line 88 in _run_code'

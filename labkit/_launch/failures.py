@@ -28,6 +28,10 @@ _TORCHRUN_SUMMARY_RE = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*ex
 _CRASH_RE = re.compile(r"^(?:\[rank\d+\] )?Fatal Python error: ")
 # faulthandler's last line after the stacks: every extension module loaded (one long line).
 _EXTENSIONS_RE = re.compile(r"^(?:\[rank\d+\] )?Extension modules: ")
+# Every other line faulthandler prints after that first one: a thread's header, a frame, a
+# thread without Python frames, a stack cut short, or a blank line between threads.
+_DUMP_LINE_RE = re.compile(r"^(?:\[rank\d+\] )?(?:(?:Current thread|Thread) 0x[0-9a-f]+ .*"
+                           r'|\s+File ".*", line \d+ in .*|\s+<no Python frame>|\s+\.\.\.|\s*)$')
 
 # A lost peer's message that says the rank gave up waiting, rather than that the peer left.
 _TIMED_OUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
@@ -69,7 +73,8 @@ def _signalled(run_dir: Path, nnodes: int) -> dict[int, int]:
 def split_crash(tail: str) -> tuple[str, list[str]]:
     """A rank's last lines cut where a native crash began: what it printed before (glibc's or
     gloo's last words among them) and the Python stacks faulthandler printed then (the rank's
-    entry point asks for them), without faulthandler's list of extension modules. No crash:
+    entry point asks for them), without faulthandler's list of extension modules. No crash at
+    the end of ``tail`` (none, or one of an earlier attempt, before the rank started again):
     ``(tail, [])``.
 
     Example::
@@ -81,6 +86,10 @@ def split_crash(tail: str) -> tuple[str, list[str]]:
     if not begins:
         return tail, []
     dump = [line for line in lines[begins[-1] + 1:] if not _EXTENSIONS_RE.match(line)]
+    if not all(_DUMP_LINE_RE.match(line) for line in dump):
+        return tail, []  # the rank printed on after it: a crash of an attempt before the last
+    while dump and not dump[-1].strip():
+        dump.pop()
     return "\n".join(lines[:begins[-1]]), dump
 
 
