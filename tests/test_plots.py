@@ -75,7 +75,7 @@ def test_an_elastic_run_is_one_curve_round_by_round_each_round_marked(tmp_path):
 
 
 def test_a_round_that_only_resumed_is_marked_resumed():
-    from labkit._results.elastic import what_changed
+    from labkit._results.rounds import what_changed
     assert what_changed({"restart": 0, "world_size": 2}, {"restart": 0, "world_size": 2,
                                                            "resumed_from": 4}) == "resumed"
     assert what_changed({"restart": 1.0, "world_size": 4.0},

@@ -120,7 +120,7 @@ class LiveView:
                 self._records += found
                 self._dirty = True
         if len(self._records) > before:  # the rounds, once per batch of new lines
-            from labkit._results.elastic import round_starts
+            from labkit._results.rounds import round_starts
 
             self._starts = round_starts(self._records, step_back=False)
             self._round_of = rounds_of(self._records, self._starts)

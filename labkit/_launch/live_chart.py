@@ -14,7 +14,7 @@ def rounds_of(records: list[dict], starts: list[dict] | None = None) -> list[int
     (``round_of``). A new round is a new set of processes: a rank absent from one (a node that
     left) comes back in a later one, not where it left off, and a node that joined counts its
     restarts from 0. ``starts``: the rounds' first lines (``round_starts``), if known."""
-    from labkit._results.elastic import round_of, round_starts
+    from labkit._results.rounds import round_of, round_starts
 
     starts = round_starts(records, step_back=False) if starts is None else starts
     return round_of([r["time"] for r in records], starts)
@@ -27,7 +27,7 @@ def stretches(records: list[dict], rounds: list[int]) -> list[int]:
     node that joins may start again at restart 0 and the same world size, as a new rank 1).
     A rank that started again a moment before rank 0 did keeps its new stretch when the round
     then changes. ``rounds``: each line's round (``rounds_of``)."""
-    from labkit._results.elastic import begins_again
+    from labkit._results.rounds import begins_again
 
     numbers = [0] * len(records)
     count = 0
@@ -53,7 +53,7 @@ def mark_rounds(ax, starts: list[dict]) -> None:
     """A dashed line where each round after the first began (``starts``: rank 0's first line of
     each), at the step rank 0 went on from, saying what changed (``what_changed``): ``restart 1``
     (torchrun restarted the workers), ``1 rank`` (a node left or joined), or both."""
-    from labkit._results.elastic import what_changed
+    from labkit._results.rounds import what_changed
     from labkit._results.plots import mark_round
 
     for k, (before, start) in enumerate(zip(starts, starts[1:])):

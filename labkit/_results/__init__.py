@@ -10,6 +10,8 @@ Owns:
     plots     ``plot_loss``, ``plot_metric``, ``plot_speedup``, ``plot_throughput``
     elastic   ``elastic_rounds``, ``elastic_losses``, ``plot_elastic``: an elastic run, round by
               round (lesson 10)
+    rounds    ``round_starts``, ``round_of``, ``what_changed``: where a run's rounds begin (a
+              restart, a node that left or joined) and which round each line is in
     diff      ``diff``, ``write_variant``: a lesson's change, and its pitfall as edits
     tryload   ``try_load``: a saved state dict opened as its user will
     speed     ``data_wait_per_step``, ``scaling_report``, ...: waits, step 1, strong and weak

@@ -21,14 +21,14 @@ def metric_curve(df, *, x: str, y: str, start_time: float | None = None):
     the first round. ``attrs["round_x"]`` maps each round to the first ``x`` it logged anything
     at (a script that logs where it resumed gets its marker there, not at its first loss), and
     ``attrs["round_marks"]`` each round after the first to what changed
-    (``labkit._results.elastic.what_changed``).
+    (``labkit._results.rounds.what_changed``).
 
     Example::
 
         curve = metric_curve(run.metrics(), x="step", y="loss")
         curve.attrs["round_marks"]   # {1: 'restart 1'} after one torchrun restart
     """
-    from labkit._results.elastic import round_of, round_starts, what_changed
+    from labkit._results.rounds import round_of, round_starts, what_changed
 
     if x not in _X_LABELS:
         raise ValueError(f"x must be one of {sorted(_X_LABELS)}, got {x!r}")
