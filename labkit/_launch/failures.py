@@ -14,8 +14,7 @@ import signal
 from pathlib import Path
 
 from labkit import _rundir
-from labkit._diagnose import stacks
-from labkit._diagnose.stacks import waiting_place
+from labkit._diagnose.stacks import FAULTHANDLER, excerpt, waiting_place, where
 from labkit._errors import RankFailure, same_error
 
 # torchrun's own line for a worker that died without a Python exception (a signal, say).
@@ -25,13 +24,12 @@ _TORCHRUN_FAILED_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+
 _TORCHRUN_SUMMARY_RE = re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*: (-?\d+)")
 
 # What a rank's entry point (faulthandler) prints on a fatal signal, before its Python stacks.
-_CRASH_RE = re.compile(r"^(?:\[rank\d+\] )?Fatal Python error: ")
+_CRASH_RE = re.compile(r"^Fatal Python error: ")
 # faulthandler's last line after the stacks: every extension module loaded (one long line).
-_EXTENSIONS_RE = re.compile(r"^(?:\[rank\d+\] )?Extension modules: ")
-# Every other line faulthandler prints after that first one: a thread's header, a frame, a
-# thread without Python frames, a stack cut short, or a blank line between threads.
-_DUMP_LINE_RE = re.compile(r"^(?:\[rank\d+\] )?(?:(?:Current thread|Thread) 0x[0-9a-f]+ .*"
-                           r'|\s+File ".*", line \d+ in .*|\s+<no Python frame>|\s+\.\.\.|\s*)$')
+_EXTENSIONS_RE = re.compile(r"^Extension modules: ")
+# What else a dump holds besides threads' headers and frames (``FAULTHANDLER``'s patterns): a
+# thread without Python frames, a stack cut short, the blank line between two threads.
+_DUMP_OTHER_RE = re.compile(r"^\s+<no Python frame>$|^\s+\.\.\.$|^\s*$")
 
 # A lost peer's message that says the rank gave up waiting, rather than that the peer left.
 _TIMED_OUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
@@ -86,7 +84,8 @@ def split_crash(tail: str) -> tuple[str, list[str]]:
     if not begins:
         return tail, []
     dump = [line for line in lines[begins[-1] + 1:] if not _EXTENSIONS_RE.match(line)]
-    if not all(_DUMP_LINE_RE.match(line) for line in dump):
+    if not all(FAULTHANDLER.thread.match(line) or FAULTHANDLER.frame.match(line)
+               or _DUMP_OTHER_RE.match(line) for line in dump):
         return tail, []  # the rank printed on after it: a crash of an attempt before the last
     while dump and not dump[-1].strip():
         dump.pop()
@@ -106,13 +105,10 @@ def _from_signal(rank: int, code: int, tail: str, script: str | None = None) -> 
     else:
         what, secondary = f"exited with code {code} without a Python exception", False
     tail, dump = split_crash(tail)
-    stack = ""
-    if dump:
-        script = script or ""
-        place = stacks.where("\n".join(dump), script, stacks.FAULTHANDLER) if script else None
-        if place:
-            what += f" at {place}"
-        stack = "\n".join(stacks.excerpt(dump, script, stacks.FAULTHANDLER))
+    place = where("\n".join(dump), script, FAULTHANDLER) if dump and script else None
+    if place:
+        what += f" at {place}"
+    stack = "\n".join(excerpt(dump, script or "", FAULTHANDLER))
     return RankFailure(rank=rank, exit_code=code, exc_type="", message=what, traceback=stack,
                        output_tail=tail, time=None, secondary=secondary)
 

@@ -48,7 +48,7 @@ def metric_curve(df, *, x: str, y: str, start_time: float | None = None):
     else:
         df["_x"] = df["step"]
     # step_back=False: a script may log a second experiment from step 0 in one run (lesson 13).
-    starts = round_starts(df.to_dict("records"), step_back=False)
+    starts = round_starts(df.loc[df["rank"] == 0].to_dict("records"), step_back=False)
     df["round"] = round_of(df["time"], starts)
     round_x = df.groupby("round", sort=False)["_x"].first().to_dict()
     df = df[df[y].notna()]
