@@ -30,7 +30,7 @@ MISTAKES = {
                                 "num_replicas=local_world_size, rank=local_rank,",
                                 "the ranks on the two nodes started an epoch with the same samples",
                                 still_right=("each rank picks a GPU of its own node",), hint=2),
-    "once-per-node": Mistake("    if rank == 0:\n", "    if local_rank == 0:\n",
+    "once-per-node": Mistake("    main = rank == 0\n", "    main = local_rank == 0\n",
                              "printed or saved too: once per node", hint=3),
 }
 

@@ -30,7 +30,7 @@ HINTS = [
     "numbers its GPUs from 0.",
     "rank = int(os.environ['RANK']) and world_size = int(os.environ['WORLD_SIZE']); gpu = "
     "local_rank; DistributedSampler(data.train, num_replicas=world_size, rank=rank, shuffle=True, "
-    "seed=0); and print and save under `if rank == 0:`.",
+    "seed=0); and main = rank == 0, so that one process of the job prints and saves.",
 ]
 
 #: Two nodes, each with half of the ranks a launch uses by default (at least one).
@@ -156,13 +156,14 @@ def _once_per_job(feedback: Feedback, df, run) -> None:
     savers = sorted(int(r) for r in df.dropna(subset=["saved"])["rank"].unique()) if "saved" in df else []
     printed = [r for r in range(run.world_size) if "loss" in run.output(r).lower()]
     if not savers and not printed:
-        feedback.fail("no rank printed the epoch's loss or saved the weights: keep the skeleton's "
-                      "print and save, under `if rank == 0:`.", hint=3)
+        feedback.fail("no rank printed the epoch's loss or saved the weights: `main` must be True on "
+                      "one process of the job, rank 0, and the skeleton's `if main:` block kept as it is.",
+                      hint=3)
         return
     others = sorted(set(savers + printed) - {0})
     feedback.expect(savers == [0] and printed == [0] and not others,
                     "the job prints and saves once, on rank 0",
                     f"{_on(others or [0], run.world_size)} printed or saved too: once per node is "
-                    f"{NODES} times per job here, and {NODES} ranks writing one file race. Print and "
-                    f"save where RANK is 0." if others else
+                    f"{NODES} times per job here, and {NODES} ranks writing one file race. `main` is "
+                    f"True where RANK is 0." if others else
                     "rank 0 must both print the epoch's loss and save the weights.", hint=3)
