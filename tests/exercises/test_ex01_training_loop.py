@@ -18,3 +18,24 @@ MISTAKES = {
 
 
 test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_training_loop, NOTEBOOK, MISTAKES)
+
+
+def test_a_tie_for_the_best_accuracy_accepts_either_rate_if_every_rank_names_the_same():
+    """The solution's max(results) takes the larger rate on a tie; any tied rate has won."""
+    import pandas as pd
+
+    from labkit._course.checks.ex01_training_loop import _winner
+    from labkit._course.feedback import Feedback
+
+    rates = [0.01, 0.05, 0.1]
+
+    def named(*best):
+        df = pd.DataFrame({"rank": [0, 1, 2], "test_acc": [0.5, 0.5, 0.25], "best_lr": list(best)})
+        feedback = Feedback("01-loop")
+        _winner(feedback, df, rates)
+        return feedback
+
+    assert named(0.05, 0.05, 0.05).passed and named(0.01, 0.01, 0.01).passed
+    split = named(0.01, 0.05, 0.05)
+    assert split.status == "failed" and "but lr 0.01 or lr 0.05 (a tie) won" in split.messages("fail")[0]
+    assert named(0.1, 0.1, 0.1).status == "failed"

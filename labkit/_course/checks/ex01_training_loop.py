@@ -113,11 +113,14 @@ def _evaluation(feedback: Feedback, df) -> None:
 def _winner(feedback: Feedback, df, rates: list[float]) -> None:
     """Every rank names the rate with the best test accuracy, found with one collective."""
     accs = _last(df, "test_acc")
-    winner = rates[max(accs, key=lambda r: accs[r])]
+    top = max(accs.values())
+    winners = [rates[r] for r in sorted(accs) if accs[r] == top]   # a tie has several: any of them won
     best = _last(df, "best_lr")
+    named = set(best.values())
     scores = ", ".join(f"lr {rates[r]:g}: {accs[r]:.1%}" for r in sorted(accs))
-    feedback.expect(all(v == winner for v in best.values()),
-                    f"every rank names lr {winner:g} as the winner ({scores})",
+    won = " or ".join(f"lr {w:g}" for w in winners) + (" (a tie)" if len(winners) > 1 else "")
+    feedback.expect(len(named) == 1 and named <= set(winners),
+                    f"every rank names lr {min(named or winners):g} as the winner ({scores})",
                     "the ranks name " + ", ".join(f"rank {r}: {v:g}" for r, v in best.items())
-                    + f" but lr {winner:g} won: gather every rank's result (dist.all_gather_object) "
+                    + f" but {won} won: gather every rank's result (dist.all_gather_object) "
                       "and take the best on every rank.", hint=3)
