@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import labkit
 from mistakes import Mistake, each_named_by
 
@@ -26,3 +28,18 @@ MISTAKES = {
 }
 
 test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_skip, NOTEBOOK, MISTAKES)
+
+
+@pytest.mark.parametrize("line, found", [
+    ("step 6: skipped on every rank, a bad batch on rank 2", (6, [2])),   # the solution's line
+    ("step 6: skipped on ranks [1, 3]", (6, [1, 3])),                     # a list, printed as it is
+    ("step 6: skipped on rank tensor([[2]])", (6, [2])),                  # bad.nonzero(), printed as it is
+    ("step 6: bad batch on rank 2, skipped", (6, [2])),                   # another order
+    ("Step 6 skipped: ranks 1 and 3", (6, [1, 3])),
+    ("step 6: bad batch on rank 2 (loss nan), skipped at step 6", (6, [2])),  # no number after the ranks
+    ("step 4: loss 2.1", None),                                          # not about a skipped step
+])
+def test_rank_0s_skipped_step_is_read_however_the_ranks_are_printed(line, found):
+    from labkit._course.checks.ex10_skip import said_skipped
+
+    assert said_skipped(line) == found

@@ -129,16 +129,28 @@ def _sums(feedback: Feedback, df) -> None:
                   f"skips a collective the others call.", hint=1)
 
 
-_SAID = re.compile(r"step (\d+):.*skipped.*rank[s]? ([\d, and]+)")
+_STEP = re.compile(r"\bstep (\d+)\b", re.IGNORECASE)
+#: the numbers right after a "rank(s)": "rank 2", "ranks 1 and 3", "rank [2]", "rank tensor([[2]])"
+_RANKS = re.compile(r"\branks?\b((?:[\s\d,\[\]()]|and|tensor)*)", re.IGNORECASE)
+
+
+def said_skipped(line: str) -> tuple[int, list[int]] | None:
+    """(step, ranks) from a line of rank 0's that reports a skipped step, else None. The ranks are
+    the numbers after the line's last "rank" that has any, however they were printed."""
+    step = _STEP.search(line)
+    if not step or "skip" not in line.lower():
+        return None
+    named = [m[1] for m in _RANKS.finditer(line) if re.search(r"\d", m[1])]
+    return int(step[1]), sorted(int(n) for n in re.findall(r"\d+", named[-1])) if named else []
 
 
 def _rank_0_names_them(feedback: Feedback, run, bad: dict) -> None:
     """Rank 0 prints one line for each skipped step, naming the ranks with the bad batch."""
     said = {}
     for line in run.output(0).splitlines():
-        match = _SAID.search(line)
-        if match:
-            said[int(match[1])] = sorted(int(n) for n in re.findall(r"\d+", match[2]))
+        found = said_skipped(line)
+        if found:
+            said[found[0]] = found[1]
     others = [r for r in range(1, run.nproc) if "skipped" in run.output(r)]
     wrong = {step: said.get(step) for step, ranks in bad.items() if said.get(step) != ranks}
     if wrong:
