@@ -78,8 +78,8 @@ def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
 class StopRequest:
     """Slurm sends SIGTERM before it ends a job (a requeue, the time limit, scancel).
 
-    The handler only takes note; the loop asks at every step whether *any* rank has been
-    told, so that all ranks stop after the same step and the checkpoint is consistent.
+    The handler only takes note; the loop asks at every log step whether *any* rank has
+    been told, so that all ranks stop after the same step and the checkpoint is consistent.
     """
 
     def __init__(self) -> None:
