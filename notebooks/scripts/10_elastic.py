@@ -64,7 +64,7 @@ batch_size = args.global_batch // world_size
 
 torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
 # No augmentation in DataLoader workers: their RNG streams live in other processes and
-# cannot be checkpointed. We flip images on the device instead, from streams we do save.
+# cannot be checkpointed. The loop flips images on the device instead, drawn from (seed, step).
 data = get_datasets(args.data_dir, synthetic=args.synthetic, train_size=args.train_size,
                     test_size=args.test_size, seed=args.seed, augment=False)
 if master:
