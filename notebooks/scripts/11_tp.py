@@ -149,7 +149,8 @@ for step in range(1, args.steps + 1):
                 **{f"bytes_{kind}": forward.bytes.get(kind, 0) + backward.bytes.get(kind, 0)
                    for kind in {**forward.bytes, **backward.bytes}})
     if rank == 0 and (step == 1 or step == args.steps):
-        print(f"step {step}: loss {loss.item():.4f} (rank 0's slice); collectives in forward "
+        share = "rank 0's slice" if dp > 1 else "the whole batch"  # DDP, FSDP: each rank its own
+        print(f"step {step}: loss {loss.item():.4f} ({share}); collectives in forward "
               f"{forward.calls}, in backward {backward.calls}")
 
 save("weights", dict(model.named_parameters()))
