@@ -146,9 +146,10 @@ for step in range(1, args.steps + 1):
     loss = {"loss": torch.stack(losses).mean().item()} if last else {}  # the batch's mean loss
     metrics.log(step, samples=args.batch_size, sent_bytes=sent.sent_bytes,
                 sends=sent.calls.get("send", 0), **loss)
-    if last and (step == 1 or step == args.steps):
-        print(f"step {step}: loss {loss['loss']:.4f}; the last stage sent {sent.calls.get('send', 0)} "
-              f"tensors back")
+    if last and (step == 1 or step == args.steps):  # step 1 also sends the stages' set-up (shapes): not counted
+        n = sent.calls.get("send", 0)
+        sends = f"; the last stage sent {n} tensor{'s' * (n != 1)} back" if step > 1 else ""
+        print(f"step {step}: loss {loss['loss']:.4f}{sends}")
 
 save("weights", dict(model.named_parameters()))
 if world_size > 1:
