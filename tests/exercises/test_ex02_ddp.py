@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import labkit
 from mistakes import Mistake, each_named_by
 
@@ -27,3 +29,25 @@ MISTAKES = {
 
 
 test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_ddp, NOTEBOOK, MISTAKES)
+
+
+@pytest.mark.parametrize("world, steps, right", [
+    (2, 16, True),    # 1024 images, 32 a batch: 512 a rank, 16 steps
+    (3, 10, True),    # 341 or 342 a rank: 10 full batches (a loader with drop_last=True)
+    (3, 11, True),    # ... and the short last batch kept (the DataLoader's default)
+    (3, 32, False),   # every rank read the whole data set
+    (2, 32, False),
+])
+def test_an_epochs_steps_are_a_ranks_share_rounded_either_way(world, steps, right):
+    """When the ranks do not divide the data set, a sampler and loader that round either way are
+    right; an epoch over the whole data set on every rank is not."""
+    import pandas as pd
+
+    from labkit._course.checks.ex02_ddp import _each_rank_its_share
+    from labkit._course.feedback import Feedback
+
+    rows = [{"rank": r, "epoch": e, "step": 1 + e * steps, "first_batch": 10 * r + e}
+            for r in range(world) for e in range(2)]
+    feedback = Feedback("02-ddp")
+    _each_rank_its_share(feedback, pd.DataFrame(rows), {"train_size": 1024, "batch_size": 32}, world)
+    assert feedback.passed == right, feedback
