@@ -29,7 +29,7 @@ MISTAKES = {
                                   "The order matters: fully_shard each block first, then the model", hint=1),
     "no-step-counter-predicted": Mistake("optimizer=2 * params + 4 * tensors", "optimizer=2 * params",
                                          "AdamW keeps a 4-byte step counter for each of the 30 parameter tensors",
-                                         ("your measurement is exact",)),
+                                         ("your measurement is exact",), hint=3),
     "measured-without-optimizer": Mistake("measured = memory.model_bytes(model, optimizer)",
                                           "measured = memory.model_bytes(model)",
                                           "you measured no optimizer state: pass the optimizer too",

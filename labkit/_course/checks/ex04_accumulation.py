@@ -71,27 +71,28 @@ def _accumulation_reference(seed: int, world_size: int, k: int, batch_size: int,
     return found
 
 
-def _explain_gradient(used: dict, reference: dict, k: int) -> str:
-    """Why the gradients the first optimizer.step() used ({rank: flat tensor}) are not one big batch's."""
+def _explain_gradient(used: dict, reference: dict, k: int) -> tuple[str, int]:
+    """Why the gradients the first optimizer.step() used ({rank: flat tensor}) are not one big batch's,
+    and the hint about it: 2 for DDP's no_sync, else 1."""
     import torch
 
     if any(torch.isnan(g).any() for g in used.values()):
         return ("some parameters had no gradient when optimizer.step() ran (.grad was None): clear the gradients "
-                "only after the step, never between the last backward() and optimizer.step().")
+                "only after the step, never between the last backward() and optimizer.step()."), 1
     if all(_near(g, reference["unscaled"]) for g in used.values()):
         return (f"the gradient is {k}× too large: with the loss not divided by k, the {k} micro-batch gradients add "
-                f"up to the sum of {k} means, not the mean of the effective batch. Call (loss / k).backward().")
+                f"up to the sum of {k} means, not the mean of the effective batch. Call (loss / k).backward()."), 1
     if all(_near(g, reference["local"][r]) for r, g in used.items()):
         return ("each rank stepped with its own gradient, never averaged with the other ranks': with no_sync on "
-                "the last micro-step too, DDP never all-reduces. Run the last micro-step outside model.no_sync().")
+                "the last micro-step too, DDP never all-reduces. Run the last micro-step outside model.no_sync()."), 2
     if all(_near(g, reference["last_only"]) for g in used.values()):
         return (f"only the last micro-batch's gradient (÷ {k}) reached optimizer.step(): zero_grad inside the "
                 f"micro-step loop clears what the earlier micro-steps added. Clear the gradients once per optimizer "
-                f"step, after optimizer.step().")
+                f"step, after optimizer.step()."), 1
     want = reference["grads"][0]
     gap = max(_gap(g, want) for g in used.values())
     return (f"the gradient of the first optimizer step differs from one big batch's by up to {gap:.1e} of the "
-            f"largest gradient: add up the k micro-steps' gradients of (loss / k), all-reduced once, after the last.")
+            f"largest gradient: add up the k micro-steps' gradients of (loss / k), all-reduced once, after the last."), 1
 
 
 @dataclass
@@ -221,7 +222,8 @@ def _gradients(feedback: Feedback, steps: _Steps) -> None:
                     f"{steps.k} × {steps.setting['batch_size']:.0f} = {steps.effective} samples in one process "
                     f"(largest gap {max(gaps):.1e} of the largest gradient; tolerance {tolerance:g})")
     elif wrong[0] == 0:
-        feedback.fail(_explain_gradient(used[0], reference, steps.k), hint=1)
+        text, hint = _explain_gradient(used[0], reference, steps.k)
+        feedback.fail(text, hint=hint)
     else:
         s = wrong[0]
         leftover = all(_near(used[s][r] - used[s - 1][r], reference["grads"][s]) for r in range(world))

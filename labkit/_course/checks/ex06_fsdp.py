@@ -193,7 +193,9 @@ def _prediction(feedback: Feedback, logged: _Logged, whole: int) -> None:
              if predicted[r] != (truth[r]["params"], truth[r]["grads"], truth[r]["optimizer"])]
     if wrong:
         r = wrong[0]
-        feedback.fail(_misprediction(r, predicted[r], truth[r], whole, world, truth[0]["tensors"]), hint=2)
+        sharding = predicted[r][:2] != (truth[r]["params"], truth[r]["grads"])   # hint 2; AdamW's state: hint 3
+        feedback.fail(_misprediction(r, predicted[r], truth[r], whole, world, truth[0]["tensors"]),
+                      hint=2 if sharding else 3)
         return
     t = truth[0]
     share = (f"exactly 1/{world}" if t["params"] * world == whole
