@@ -30,6 +30,11 @@ MISTAKES = {
         "    received = rows.new_empty(sum(receive), rows.shape[1])\n"
         "    dist.all_to_all_single(received, rows, receive, send)\n",
         "AllToAll.apply", (_NUMBERS,), hint=1),
+    "counts-gathered-not-exchanged": Mistake(   # right numbers, but every rank receives every count
+        _COUNTS, "    everyone = [torch.empty_like(counts) for _ in range(world_size)]\n"
+                 "    dist.all_gather(everyone, counts)\n"
+                 "    received_counts = torch.cat([c.view(world_size, -1)[rank] for c in everyone])\n",
+        "exchanged the counts with all_gather", (_NUMBERS,), hint=1),
 }
 
 test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_moe_dispatch, NOTEBOOK, MISTAKES)

@@ -128,7 +128,14 @@ def _all_to_alls(feedback: Feedback, rows: dict, numbers_right: bool) -> None:
     backward = {r: int(rows[r].get("backward_all_to_all", 0)) for r in rows}
     if any(n != 3 for n in forward.values()):
         made = sorted(set(forward.values()))
-        if made == [2]:
+        other = sorted({k[len("forward_"):] for r in rows for k, n in rows[r].items()
+                        if k.startswith("forward_") and k not in ("forward_all_to_all", "forward_sent") and n})
+        if made == [2] and other:
+            feedback.fail(f"forward made 2 all-to-alls and exchanged the counts with {', '.join(other)}: that "
+                          f"works, but every rank then receives every rank's counts, where an all-to-all sends "
+                          f"each rank only those meant for it, as the task asks. Send them with "
+                          f"dist.all_to_all_single(received_counts, counts).", hint=1)
+        elif made == [2]:
             feedback.fail("forward made 2 all-to-alls where 3 are needed: the counts were never exchanged, so no "
                           "rank knows how many rows it will receive. Send them first: "
                           "dist.all_to_all_single(received_counts, counts).", hint=1)
