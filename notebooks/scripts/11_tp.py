@@ -149,7 +149,7 @@ for step in range(1, args.steps + 1):
                 **{f"bytes_{kind}": forward.bytes.get(kind, 0) + backward.bytes.get(kind, 0)
                    for kind in {**forward.bytes, **backward.bytes}})
     if rank == 0 and (step == 1 or step == args.steps):
-        share = "rank 0's slice" if dp > 1 else "the whole batch"  # DDP, FSDP: each rank its own
+        share = "the whole batch" if len(x) == args.batch_size else "rank 0's slice"
         print(f"step {step}: loss {loss.item():.4f} ({share}); collectives in forward "
               f"{forward.calls}, in backward {backward.calls}")
 
