@@ -182,7 +182,10 @@ def test_plot_draws_the_gap_and_the_tolerance(tmp_path):
     assert curve.get_ydata()[0] == 1e-8      # a gap of 0, drawn on the log scale
     assert tolerance.get_ydata()[0] == 1e-4 and ax.get_yscale() == "log"
     assert ax.get_xlabel() == "optimizer step" and ax.get_title() == "gap"
+    assert ax.get_ylabel() == "|loss gap| (log scale; 0 at 1e-8)", "a learner must not read 1e-8 as a gap"
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         "ddp", "tolerance, first 2 windows: 0.0001"]
+    off = two_ranks(tmp_path, [2.0 + 1e-6, 1.5 + 1e-5, 1.0 + 1e-2], name="off")
+    assert labkit.compare_losses(off, ref).plot().get_ylabel() == "|loss gap| (log scale)"
     linear = same.plot(log=False, tolerance_line=False)
     assert len(linear.lines) == 1 and linear.get_ylim() == (0, pytest.approx(1.2e-2))

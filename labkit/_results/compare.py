@@ -193,7 +193,8 @@ class LossComparison:
         ax.set_xlabel("optimizer step")
         if log:
             ax.set_yscale("log")
-            ax.set_ylabel("|loss gap| (log scale)")
+            zero = bool((self.gap == 0).any()) or "0 at 1e-8" in ax.get_ylabel()   # say where 0 went
+            ax.set_ylabel("|loss gap| (log scale; 0 at 1e-8)" if zero else "|loss gap| (log scale)")
         else:
             ax.set_ylim(0, max(2 * self.early_tol, 1.2 * float(self.gap.max()), shown))
             ax.set_ylabel("|loss gap|")
