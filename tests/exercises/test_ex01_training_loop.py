@@ -12,6 +12,8 @@ MISTAKES = {
     "no-zero-grad": Mistake("        optimizer.zero_grad(set_to_none=True)\n", "", "clear the old gradients"),
     "no-eval-mode": Mistake("    model.eval()\n", "", "call model.eval() before", hint=2),
     "no-train-mode-after": Mistake("    model.train()\n", "", "call model.train() after"),
+    "window-loss-summed": Mistake("loss=(window_loss / args.log_every).item()", "loss=window_loss.item()",
+                                  "log the window's mean, window_loss / log_every, not its sum", hint=3),
     "winner-not-gathered": Mistake("best_accuracy, best_lr = max(results)", "best_accuracy, best_lr = accuracy, lr",
                                    "dist.all_gather_object"),
 }

@@ -7,6 +7,8 @@ reads the script's settings from what its skeleton logs at step 0.
 
 from __future__ import annotations
 
+import math
+
 from labkit import _hardware
 from labkit._course.checks._common import _config, _last, _metrics
 from labkit._course.attempt import launched
@@ -25,6 +27,8 @@ HINTS = [
     "[None] * world_size; dist.all_gather_object(results, (accuracy, lr)); then max(results).",
 ]
 
+#: The synthetic data's classes (CIFAR-10's): an untrained model's loss starts near ln 10.
+CLASSES = 10
 #: The settings the skeleton logs at step 0 (its argparse defaults, unless the check passes others).
 SETTINGS = ["lrs", "epochs", "batch_size", "log_every", "train_size"]
 #: The rates the skeleton's default --lrs spans; with more than 2 ranks the check passes one per rank
@@ -85,6 +89,14 @@ def _windows(feedback: Feedback, df, setting: dict) -> None:
                     f"{batch_size})",
                     f"a window logged samples={bad_samples or 'nothing'}; it processed "
                     f"log_every × batch_size = {per_window}.", hint=3)
+    first_loss = windows.groupby("rank")["loss"].first()
+    start = math.log(CLASSES)   # an untrained model's cross-entropy: about ln 10
+    feedback.expect(bool((first_loss < 1.5 * start).all()),
+                    f"each window logs its mean loss (the first: {first_loss.max():.2f}, near ln {CLASSES} = "
+                    f"{start:.2f} for an untrained model)",
+                    f"rank {first_loss.idxmax()}'s first window logged a loss of {first_loss.max():.2f}, where an "
+                    f"untrained model's mean loss is near ln {CLASSES} = {start:.2f}: log the window's mean, "
+                    f"window_loss / log_every, not its sum.", hint=3)
     steps = int(setting["epochs"]) * (int(setting["train_size"]) // batch_size)  # the loader drops the last
     counts = windows.groupby("rank").size()
     feedback.expect(counts.min() >= steps // log_every, f"{counts.min()} windows per rank: enough to time honestly",
