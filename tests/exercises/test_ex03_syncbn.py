@@ -28,6 +28,10 @@ MISTAKES = {
                                   "self.running_var.lerp_(var, self.momentum)",
                                   "running_var holds the biased variance", (_OUTPUTS, "so are the input gradients")),
     "no-running-update": Mistake(_RUNNING, "", "running_mean and running_var never changed", (_OUTPUTS,)),
+    "one-apply-per-statistic": Mistake(   # the right numbers, three times the collectives
+        _SUMS, "total = torch.cat([AllReduceSum.apply(part) for part in local.split([channels, channels, 1])])",
+        "a step made 3 all-reduce(s) in forward and 3 in backward", (_OUTPUTS, "so are the input gradients"),
+        hint=2),
 }
 
 

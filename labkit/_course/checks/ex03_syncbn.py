@@ -212,7 +212,22 @@ def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout_s: float = 180) -> 
     if outputs_right:
         _gradients(feedback, steps)
     _running_statistics(feedback, steps, outputs_right)
+    _one_all_reduce(feedback, _metrics(feedback, run, SETTINGS))
     return feedback
+
+
+def _one_all_reduce(feedback: Feedback, df) -> None:
+    """One all-reduce a step in forward and one in backward, on every rank: the task's ONE apply."""
+    if "forward_all_reduces" not in df.columns or "backward_all_reduces" not in df.columns:
+        feedback.stop("the ranks logged no count of their all-reduces: keep the skeleton's loop as it is.")
+    counts = df.dropna(subset=["forward_all_reduces"])
+    forward, backward = (" or ".join(str(n) for n in sorted(set(counts[c].astype(int))))
+                         for c in ("forward_all_reduces", "backward_all_reduces"))
+    feedback.expect(forward == backward == "1",
+                    "one all-reduce a step in forward (Σx, Σx² and the count together) and one in backward",
+                    f"a step made {forward} all-reduce(s) in forward and {backward} in backward, where one "
+                    f"each is enough: put Σx, Σx² and the count in one tensor (torch.cat) and call "
+                    f"AllReduceSum.apply once; its backward makes backward's one.", hint=2)
 
 
 def _read(feedback: Feedback, run) -> _Steps:
