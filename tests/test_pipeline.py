@@ -138,6 +138,6 @@ def test_plot_schedule_draws_a_bar_per_piece_of_work():
     ax = labkit.plot_schedule(events, title="GPipe")
     assert len(ax.collections) == len(events) and ax.get_title() == "GPipe"
     assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0", "stage 1"]
-    assert ax.get_xlabel() == "ms from the step's first start"
+    assert ax.get_xlabel() == "ms since the step began (wall clock, all ranks)"
     with pytest.raises(ValueError, match="no events"):
         labkit.plot_schedule(events.iloc[:0])

@@ -280,7 +280,7 @@ def plot_schedule(events, *, ax=None, title: str | None = None):
             ax.text((e.start + e.end) / 2, e.rank, str(e.microbatch), ha="center", va="center", fontsize=7)
     ax.set_yticks(stages, [f"stage {s}" for s in stages])
     ax.set_ylim(max(stages) + 0.6, min(stages) - 0.6)   # stage 0 on top
-    ax.set_xlabel("ms from the step's first start")
+    ax.set_xlabel("ms since the step began (wall clock, all ranks)")
     if title is not None:
         ax.set_title(title, fontsize=10)
     return ax

@@ -27,8 +27,6 @@ HINTS = [
     "[None] * world_size; dist.all_gather_object(results, (accuracy, lr)); then max(results).",
 ]
 
-#: The synthetic data's classes (CIFAR-10's): an untrained model's loss starts near ln 10.
-CLASSES = 10
 #: The settings the skeleton logs at step 0 (its argparse defaults, unless the check passes others).
 SETTINGS = ["lrs", "epochs", "batch_size", "log_every", "train_size"]
 #: The rates the skeleton's default --lrs spans; with more than 2 ranks the check passes one per rank
@@ -89,13 +87,15 @@ def _windows(feedback: Feedback, df, setting: dict) -> None:
                     f"{batch_size})",
                     f"a window logged samples={bad_samples or 'nothing'}; it processed "
                     f"log_every × batch_size = {per_window}.", hint=3)
+    from labkit.data import CLASSES   # CIFAR-10's, the synthetic set's too
+
     first_loss = windows.groupby("rank")["loss"].first()
-    start = math.log(CLASSES)   # an untrained model's cross-entropy: about ln 10
+    start = math.log(len(CLASSES))   # an untrained model's cross-entropy: about ln 10
     feedback.expect(bool((first_loss < 1.5 * start).all()),
-                    f"each window logs its mean loss (the first: {first_loss.max():.2f}, near ln {CLASSES} = "
+                    f"each window logs its mean loss (the first: {first_loss.max():.2f}, near ln {len(CLASSES)} = "
                     f"{start:.2f} for an untrained model)",
                     f"rank {first_loss.idxmax()}'s first window logged a loss of {first_loss.max():.2f}, where an "
-                    f"untrained model's mean loss is near ln {CLASSES} = {start:.2f}: log the window's mean, "
+                    f"untrained model's mean loss is near ln {len(CLASSES)} = {start:.2f}: log the window's mean, "
                     f"window_loss / log_every, not its sum.", hint=3)
     steps = int(setting["epochs"]) * (int(setting["train_size"]) // batch_size)  # the loader drops the last
     counts = windows.groupby("rank").size()

@@ -171,6 +171,7 @@ class _Steps:
     sizes: list  # each rank's samples
     setting: dict  # SETTINGS, as the skeleton logged them (rank 0's)
     world: int
+    logged: object  # every rank's metrics (a DataFrame): the collectives each step made
 
     def worst(self, key: str, per_rank: bool = True) -> tuple[float, int]:
         """(largest gap, step) over the steps (and ranks) for one saved quantity; inf where it is missing."""
@@ -212,7 +213,7 @@ def check_syncbn(target="scripts/ex03_syncbn.py", *, timeout_s: float = 180) -> 
     if outputs_right:
         _gradients(feedback, steps)
     _running_statistics(feedback, steps, outputs_right)
-    _one_all_reduce(feedback, _metrics(feedback, run, SETTINGS))
+    _one_all_reduce(feedback, steps.logged)
     return feedback
 
 
@@ -247,7 +248,7 @@ def _read(feedback: Feedback, run) -> _Steps:
     if broken:
         feedback.stop(f"{_on(broken, world)} saved something else than the skeleton saves (an output of the "
                       f"input's shape at each of the {steps} steps): keep the skeleton's loop as it is.")
-    return _Steps(saved, want, weight, bias, sizes, setting, world)
+    return _Steps(saved, want, weight, bias, sizes, setting, world, df)
 
 
 def _outputs(feedback: Feedback, steps: _Steps) -> bool:
