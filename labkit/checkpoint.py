@@ -33,9 +33,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["save_atomic", "step_path", "latest", "prune", "rng_state", "set_rng_state"]
+__all__ = ["save_atomic", "step_path", "latest", "prune", "rng_state", "set_rng_state", "files_written"]
 
 _STEP_FILE = re.compile(r"^step_(\d{8,})\.pt$")
+_WRITTEN: list[Path] = []  # every file save_atomic has put in place in this process, oldest first
 
 
 def _check_folder(folder) -> Path:
@@ -112,7 +113,23 @@ def save_atomic(obj, path) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_folder(path.parent)
+    _WRITTEN.append(path)
     return path
+
+
+def files_written() -> list[Path]:
+    """The files ``save_atomic`` has put in place in this process, oldest first (a copy).
+
+    Each rank is its own process, so this tells which ranks wrote a checkpoint: with one
+    writer, rank 0's list grows at every save and the others' stay empty.
+
+    Example (exercise 05's skeleton, around its save)::
+
+        before = len(checkpoint.files_written())
+        save_checkpoint(step, epoch, batch_in_epoch)
+        metrics.log(step, wrote=len(checkpoint.files_written()) - before)   # 1 on rank 0, else 0
+    """
+    return list(_WRITTEN)
 
 
 def _fsync_folder(folder: Path) -> None:

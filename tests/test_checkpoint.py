@@ -55,6 +55,18 @@ def test_save_atomic_round_trip_loads_with_weights_only(tmp_path):
     assert loaded["step"] == 3 and torch.equal(loaded["model"]["w"], torch.full((64, 64), 3.0))
 
 
+def test_files_written_lists_the_files_this_process_put_in_place(tmp_path, monkeypatch):
+    before = len(checkpoint.files_written())
+    first = checkpoint.save_atomic(_state(1.0), checkpoint.step_path(tmp_path, 1))
+    second = checkpoint.save_atomic(_state(2.0), checkpoint.step_path(tmp_path, 2))
+    assert checkpoint.files_written()[before:] == [first, second]
+    checkpoint.files_written().clear()  # a copy: the record cannot be changed from outside
+    assert checkpoint.files_written()[before:] == [first, second]
+    monkeypatch.setattr(checkpoint.os, "replace", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError):
+        checkpoint.save_atomic(_state(3.0), checkpoint.step_path(tmp_path, 3))
+    assert checkpoint.files_written()[before:] == [first, second]  # a failed save wrote nothing
+
 def test_crash_between_write_and_rename_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     old = checkpoint.save_atomic(_state(1.0), checkpoint.step_path(tmp_path, 1))
     target = checkpoint.step_path(tmp_path, 2)

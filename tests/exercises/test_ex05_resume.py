@@ -23,6 +23,17 @@ MISTAKES = {
     "sampler-position-not-restored": Mistake(
         'step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]', 'step = state["step"]',
         "save epoch and batch_in_epoch, and restore both", ("random stream goes on where it was",)),
+    "no-barrier": Mistake("    dist.barrier()  # no rank goes on until the file is complete\n", "",
+                          "came back from save_checkpoint before the file was there", ("rank 0 alone wrote",),
+                          hint=2),
+    "every-rank-writes": Mistake(
+        "    rngs = [None] * world_size if rank == 0 else None\n"
+        "    dist.gather_object(checkpoint.rng_state(), rngs, dst=0)  # each rank has its own streams\n"
+        "    if rank == 0:  # the ranks hold the same weights: one writer is enough\n",
+        "    rngs = [None] * world_size\n"
+        "    dist.all_gather_object(rngs, checkpoint.rng_state())\n"
+        "    if True:\n",
+        "wrote the checkpoint too", ("the drill's losses equal the uninterrupted run's",), hint=2),
     "wrapper-state-dict-saved": Mistake('"model": model.module.state_dict()', '"model": model.state_dict()',
                                         "that is the DDP wrapper's state_dict. Save the unwrapped model"),
 }

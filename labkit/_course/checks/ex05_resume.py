@@ -155,6 +155,7 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout_s: float = 300,
                                 "crash): pass the script's path, e.g. 'scripts/ex05_resume.py'.")
     drill = _Drill(target, timeout_s, _ranks(2), Path(ckpt_dir))
     feedback, whole, reference = _uninterrupted(drill)
+    _one_writer_everyone_waits(feedback, whole.metrics())
     run, df = _fault_drill(feedback, drill)
     fixes = _resumed(feedback, df, drill.crashing_rank)
     # Bit for bit on 2 CPU ranks only. GPU kernels may round differently; and over 3 ranks or more
@@ -186,6 +187,35 @@ def _uninterrupted(drill: _Drill):
                     f"DDP wrapper's state_dict. Save the unwrapped model, model.module.state_dict(), so "
                     f"that the weights load into a plain model.", hint=1)
     return feedback, whole, reference
+
+
+def _one_writer_everyone_waits(feedback: Feedback, df) -> None:
+    """At each save of the uninterrupted run: rank 0 alone wrote the file, and on every rank the
+    file was complete when save_checkpoint returned (what the skeleton logs as wrote and complete)."""
+    saves = df.dropna(subset=["saved"]) if "saved" in df else df.iloc[:0]
+    if saves.empty or not {"wrote", "complete"} <= set(saves.columns):
+        feedback.fail("the run logged no 'wrote' and 'complete' at its saves: keep the skeleton's "
+                      "metrics.log(step, saved=1, wrote=..., complete=..., ...) after save_checkpoint.")
+        return
+    ranks = sorted({int(r) for r in saves["rank"]})
+    steps = sorted({int(s) for s in saves["step"]})
+    others = sorted({int(r) for r in saves[(saves["rank"] != 0) & (saves["wrote"] > 0)]["rank"]})
+    feedback.expect(not others, f"rank 0 alone wrote each of the {len(steps)} checkpoints (steps "
+                                f"{', '.join(map(str, steps))})",
+                    f"{_on(others, len(ranks))} wrote the checkpoint too: the ranks hold the same weights, "
+                    f"so one file from rank 0 is the whole state; {len(ranks)} writers put "
+                    f"{len(ranks)} copies through the disk (on a shared file system, at once) for nothing. "
+                    f"Write only under if rank == 0.", hint=2)
+    early = saves[saves["complete"] < 1]
+    if early.empty:
+        feedback.ok("on every rank the file was complete when save_checkpoint returned")
+        return
+    first = early.sort_values("step").iloc[0]
+    feedback.fail(f"at step {int(first['step'])}, rank {int(first['rank'])} came back from save_checkpoint "
+                  f"before the file was there: it went on while rank 0 was still writing. A rank that "
+                  f"reads the checkpoint then finds none, and if rank 0 dies mid-write, the others have "
+                  f"trained past a save that never happened. End save_checkpoint with "
+                  f"dist.barrier() on every rank, after rank 0's write.", hint=2)
 
 
 def _fault_drill(feedback: Feedback, drill: _Drill):
