@@ -21,6 +21,44 @@ MISTAKES = {
                                              (_SENDS,), hint=2),
     # Stage 1 never answers: stage 0 waits in recv for ever.
     "no-gradient-sent-back": Mistake(_SEND_BACK, "pass", "the stages waited for each other for ever", hint=1),
+    # Each micro-batch's backward right after its forward, on both stages: the same numbers and
+    # sends, but no stage ever holds more than one micro-batch. The task asks for GPipe's order.
+    "one-micro-batch-at-a-time": Mistake(
+        "            for xm in x.chunk(m):  # every forward first: GPipe\n"
+        "                out = run_stage(xm)\n"
+        "                dist.send(out.detach(), dst=1)  # the activations, to the next stage\n"
+        "                outputs.append(out)\n"
+        "            for out in outputs:  # then every backward\n"
+        "                grad = torch.empty_like(out)\n"
+        "                dist.recv(grad, src=1)  # the gradient of this output, from stage 1\n"
+        "                out.backward(grad)  # carries it back through this stage's layers\n"
+        "        else:\n"
+        "            inputs = []\n"
+        "            for ym in y.chunk(m):\n"
+        "                h = torch.empty(len(ym), args.dim)\n"
+        "                dist.recv(h, src=0)\n"
+        "                h.requires_grad_()  # its gradient is what stage 0 needs\n"
+        "                losses.append(F.cross_entropy(run_stage(h), ym) / m)  # the mean over micro-batches\n"
+        "                inputs.append(h)\n"
+        "            for h, loss in zip(inputs, losses):\n"
+        "                loss.backward()\n"
+        "                dist.send(h.grad, dst=0)  # back to the previous stage\n",
+        "            for xm in x.chunk(m):\n"
+        "                out = run_stage(xm)\n"
+        "                dist.send(out.detach(), dst=1)\n"
+        "                grad = torch.empty_like(out)\n"
+        "                dist.recv(grad, src=1)\n"
+        "                out.backward(grad)\n"
+        "        else:\n"
+        "            for ym in y.chunk(m):\n"
+        "                h = torch.empty(len(ym), args.dim)\n"
+        "                dist.recv(h, src=0)\n"
+        "                h.requires_grad_()\n"
+        "                losses.append(F.cross_entropy(run_stage(h), ym) / m)\n"
+        "                losses[-1].backward()\n"
+        "                dist.send(h.grad, dst=0)\n",
+        "stage 0 held at most 1 micro-batch at once, not 4", (_SENDS, "every weight of both stages ends"),
+        hint=1),
     "no-requires-grad": Mistake("h.requires_grad_()  # its gradient is what stage 0 needs", "pass",
                                 "stage 1 had no gradient to send back (h.grad was None)", hint=2),
 }

@@ -203,8 +203,8 @@ def _one_writer_everyone_waits(feedback: Feedback, df) -> None:
     feedback.expect(not others, f"rank 0 alone wrote each of the {len(steps)} checkpoints (steps "
                                 f"{', '.join(map(str, steps))})",
                     f"{_on(others, len(ranks))} wrote the checkpoint too: the ranks hold the same weights, "
-                    f"so one file from rank 0 is the whole state; {len(ranks)} writers put "
-                    f"{len(ranks)} copies through the disk (on a shared file system, at once) for nothing. "
+                    f"so one file from rank 0 is the whole state; with {len(ranks)} writers the same file "
+                    f"is written {len(ranks)} times (on a shared file system, all at once) for nothing. "
                     f"Write only under if rank == 0.", hint=2)
     early = saves[saves["complete"] < 1]
     if early.empty:

@@ -2,8 +2,8 @@
 
 The skeleton builds lesson 06's ``MLPStack`` from one seed on both ranks and keeps half of it on
 each (stage 0: the stem and the first blocks; stage 1: the other blocks, the head, the loss),
-draws the same global batches on both, counts the sends of each step (``labkit.comm``), logs
-stage 1's loss, and saves each stage's gradients of the first step and its weights at the end.
+draws the same global batches on both, counts the sends of each step (``labkit.comm``) and the
+micro-batches each stage holds at once (a forward hook), logs stage 1's loss, and saves each stage's gradients of the first step and its weights at the end.
 The check trains the whole model on the whole batch in one process, on the same batches, and
 compares, as lesson 12 does: the loss at every step, then, stage by stage, every gradient of
 the first step and every weight at the end. A pipeline whose sends and receives do not pair up
@@ -67,10 +67,11 @@ def check_pipeline(target="scripts/ex12_pipeline.py", *, timeout_s: float = 180)
                                 "stage per rank at any size)")
     feedback, run = launched(feedback, target, **dict(two, device="cpu"), timeout_s=timeout_s,
                              hang_timeout_s=HANG_S, name="check-12-pipeline", explain=_explain)
-    df = _metrics(feedback, run, ["loss", "sends", "sent_bytes", *SETTINGS])
+    df = _metrics(feedback, run, ["loss", "sends", "sent_bytes", "held", *SETTINGS])
     setting = {k: int(v) if k != "lr" else float(v) for k, v in _config(df, SETTINGS).items()}
     want_losses, want_grads, want_weights = _one_process(setting)
     _sends(feedback, df, setting)
+    _gpipe_order(feedback, df, setting)
     _losses(feedback, df, want_losses, setting)
     _first_gradients(feedback, _saved(feedback, run, "grads"), want_grads)
     _weights(feedback, _saved(feedback, run, "weights"), want_weights)
@@ -138,6 +139,27 @@ def _sends(feedback: Feedback, df, setting: dict) -> None:
         feedback.fail(f"stage {rank} sent {' or '.join(map(str, counts[rank]))} tensor(s) a step, "
                       f"{' or '.join(f'{s:,}' for s in sizes[rank])} bytes; it should send {m}, one per "
                       f"micro-batch ({what.get(rank, 'its tensors')}), {expected:,} bytes in all.", hint=1)
+
+
+def _gpipe_order(feedback: Feedback, df, setting: dict) -> None:
+    """GPipe's order, which the task asks for: every forward, then every backward, so that each
+    stage holds all m micro-batches at once (the skeleton's hook counts them). Another order
+    (each backward right after its forward, or 1F1B) gives the same numbers and sends; only
+    what a stage holds tells them apart."""
+    m = setting["microbatches"]
+    rows = df.dropna(subset=["held"])
+    most = {int(r): int(part["held"].max()) for r, part in rows[rows["step"] > 0].groupby("rank")}
+    fewer = {r: n for r, n in most.items() if n != m}
+    if not fewer:
+        feedback.ok(f"each stage held all {m} micro-batches at once: every forward ran before the first "
+                    f"backward, GPipe's order (and its memory cost: {m} micro-batches' activations per stage)")
+        return
+    rank, n = min(fewer.items())
+    feedback.fail(f"stage {rank} held at most {n} micro-batch{'es' if n != 1 else ''} at once, not {m}: it "
+                  f"ran backward before every forward was done. The numbers come out the same in any order, "
+                  f"but the task asks for GPipe's: every micro-batch forward (each stage sending as it goes), "
+                  f"then every backward. Holding fewer at once is 1F1B's aim in lesson 12, with a warm-up "
+                  f"that keeps both stages busy; here, write GPipe's two loops.", hint=1)
 
 
 def _losses(feedback: Feedback, df, want: list, setting: dict) -> None:
