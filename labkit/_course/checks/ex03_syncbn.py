@@ -15,10 +15,13 @@ from labkit._course.feedback import Feedback, check
 EXERCISE = "03-syncbn"
 
 HINTS = [
-    "AllReduceSum.forward: total = x.clone(), then dist.all_reduce(total) (it works in place, and "
-    "autograd must still see x as it was). AllReduceSum.backward does the same to grad_output: "
-    "every rank's loss reads this rank's x through the shared statistics.",
-    "Per channel means over dimensions 0, 2 and 3. One tensor carries everything: local = "
+    "AllReduceSum.forward returns the sum of x over every rank. dist.all_reduce works in place, so "
+    "give it a copy: autograd must still see x as it was. For backward, ask what that sum's "
+    "gradient with respect to this rank's x is: every rank's loss reads this rank's x through the "
+    "shared statistics, so every rank's grad_output counts.",
+    "AllReduceSum: forward all-reduces a copy of x (x.clone(), then dist.all_reduce), backward a "
+    "copy of grad_output, the same way. Per channel means over dimensions 0, 2 and 3. One tensor "
+    "carries everything: local = "
     "torch.cat([x.sum(dims), (x * x).sum(dims), count]), with count = torch.full((1,), "
     "x.numel() // channels, dtype=x.dtype, device=x.device) (on x's device, so that torch.cat "
     "accepts it on a GPU too). total = AllReduceSum.apply(local); n = total[-1]; mean = "

@@ -13,12 +13,12 @@ EXERCISE = "11-tp-plan"
 
 HINTS = [
     "Each rank should compute silu(gate(h)) * up(h) for its own hidden units, with nothing from "
-    "the other ranks: silu and the product act unit by unit. So cut gate and up alike, by their "
-    "outputs: ColwiseParallel() for both.",
-    "down reads the hidden layer, which gate and up have already cut across the ranks: cut down by "
-    "its inputs, RowwiseParallel(). Each rank then holds a partial sum of the whole output, and one "
-    "all-reduce per block adds them up. PLAN = {\"gate\": ColwiseParallel(), \"up\": "
-    "ColwiseParallel(), \"down\": RowwiseParallel()}.",
+    "the other ranks: silu and the product act unit by unit. So cut gate and up alike: which way of "
+    "cutting a Linear gives each rank whole output units?",
+    "gate and up are cut by their outputs, ColwiseParallel(). down reads the hidden layer, which they "
+    "have already cut across the ranks: cut down by its inputs, RowwiseParallel(). Each rank then "
+    "holds a partial sum of the whole output, and one all-reduce per block adds them up.",
+    "PLAN = {\"gate\": ColwiseParallel(), \"up\": ColwiseParallel(), \"down\": RowwiseParallel()}. "
     "Forward: one all-reduce per block, of down's partial sums. Backward: each layer cut by its "
     "outputs all-reduces the gradient of its own input, and h feeds two of them, gate and up: two "
     "per block. Each carries batch × dim float32 numbers: PREDICTED = {\"forward_all_reduces\": "
