@@ -59,7 +59,9 @@ if world_size > 1:
     dp_rank = mesh["dp"].get_local_rank()
 else:
     mesh, dp_rank = None, 0
-if rank == 0:
+if rank == 0 and mesh is None:
+    print(f"{args.strategy}: one process, so no mesh and no collectives")
+elif rank == 0:
     print(f"{args.strategy}: {world_size} rank(s) as a {dp} x {tp} mesh (data x tensor parallel)")
 
 # --- data: the same global batches in every run -------------------------------------------

@@ -73,7 +73,7 @@ def optimizer_step(cfg: Config, rt: Runtime, model, optimizer, batches) -> torch
         x, y = (t.to(rt.device, non_blocking=True) for t in next(batches))
         last = micro == cfg.accum_steps - 1
         # DDP all-reduces the gradients in backward(); no_sync() skips that on all but the
-        # last micro-step, so the gradients travel once per optimizer step, summed.
+        # last micro-step, so the gradients travel once per optimizer step, averaged over the ranks.
         sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
         with sync:
             with torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=cfg.amp):
