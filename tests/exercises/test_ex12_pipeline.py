@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import labkit
 from mistakes import Mistake, each_named_by
 
@@ -65,3 +67,23 @@ MISTAKES = {
 
 
 test_each_mistake_gets_the_message_that_names_it = each_named_by(labkit.check_pipeline, NOTEBOOK, MISTAKES)
+
+
+@pytest.mark.parametrize("held, words", [
+    ({0: 4, 1: 4}, "each stage held all 4 micro-batches at once"),                # GPipe
+    ({0: 2, 1: 1}, "stage 0 held at most 2 micro-batches at once, not 4"),        # 1F1B on two stages
+    ({0: 4, 1: 1}, "stage 1 held at most 1 micro-batch at once, not 4"),
+    ({0: 8, 1: 4}, "stage 0 held 8 micro-batches at once, more than the 4 a step has"),
+])
+def test_gpipe_order_is_read_from_what_each_stage_held(held, words):
+    import pandas as pd
+
+    from labkit._course.checks.ex12_pipeline import _gpipe_order
+    from labkit._course.feedback import Feedback
+
+    rows = [{"rank": r, "step": s, "held": n if s == 2 else min(n, 1)} for r, n in held.items() for s in (1, 2)]
+    rows += [{"rank": r, "step": 0, "held": None} for r in held]   # step 0 logs the settings only
+    feedback = Feedback("12-pipeline")
+    _gpipe_order(feedback, pd.DataFrame(rows), {"microbatches": 4})
+    assert any(words in text for text in feedback.messages("ok") + feedback.messages("fail")), str(feedback)
+    assert (feedback.status == "failed") == (held != {0: 4, 1: 4})

@@ -3,7 +3,8 @@
 The skeleton builds lesson 06's ``MLPStack`` from one seed on both ranks and keeps half of it on
 each (stage 0: the stem and the first blocks; stage 1: the other blocks, the head, the loss),
 draws the same global batches on both, counts the sends of each step (``labkit.comm``) and the
-micro-batches each stage holds at once (a forward hook), logs stage 1's loss, and saves each stage's gradients of the first step and its weights at the end.
+micro-batches each stage holds at once (a forward hook), logs stage 1's loss, and saves each
+stage's gradients of the first step and its weights at the end.
 The check trains the whole model on the whole batch in one process, on the same batches, and
 compares, as lesson 12 does: the loss at every step, then, stage by stage, every gradient of
 the first step and every weight at the end. A pipeline whose sends and receives do not pair up
@@ -149,10 +150,16 @@ def _gpipe_order(feedback: Feedback, df, setting: dict) -> None:
     m = setting["microbatches"]
     rows = df.dropna(subset=["held"])
     most = {int(r): int(part["held"].max()) for r, part in rows[rows["step"] > 0].groupby("rank")}
-    fewer = {r: n for r, n in most.items() if n != m}
-    if not fewer:
+    more = {r: n for r, n in most.items() if n > m}
+    fewer = {r: n for r, n in most.items() if n < m}
+    if not fewer and not more:
         feedback.ok(f"each stage held all {m} micro-batches at once: every forward ran before the first "
                     f"backward, GPipe's order (and its memory cost: {m} micro-batches' activations per stage)")
+        return
+    if more:
+        rank, n = min(more.items())
+        feedback.fail(f"stage {rank} held {n} micro-batches at once, more than the {m} a step has: each "
+                      f"micro-batch goes through run_stage once per step, forward, and once backward.", hint=1)
         return
     rank, n = min(fewer.items())
     feedback.fail(f"stage {rank} held at most {n} micro-batch{'es' if n != 1 else ''} at once, not {m}: it "
