@@ -113,7 +113,7 @@ def save_atomic(obj, path) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_folder(path.parent)
-    _WRITTEN.append(path)
+    _WRITTEN.append(path)  # for files_written(): which process wrote which file
     return path
 
 

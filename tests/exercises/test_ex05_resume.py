@@ -34,6 +34,11 @@ MISTAKES = {
         "    dist.all_gather_object(rngs, checkpoint.rng_state())\n"
         "    if True:\n",
         "wrote the checkpoint too", ("the drill's losses equal the uninterrupted run's",), hint=2),
+    "not-atomic": Mistake("        checkpoint.save_atomic(state, checkpoint.step_path(args.ckpt_dir, step))\n",
+                          "        torch.save(state, checkpoint.step_path(args.ckpt_dir, step))\n",
+                          "rank 0 put no file in place with checkpoint.save_atomic",
+                          ("the drill's losses equal the uninterrupted run's",),
+                          hint=2),
     "wrapper-state-dict-saved": Mistake('"model": model.module.state_dict()', '"model": model.state_dict()',
                                         "that is the DDP wrapper's state_dict. Save the unwrapped model"),
 }

@@ -200,12 +200,20 @@ def _one_writer_everyone_waits(feedback: Feedback, df) -> None:
     ranks = sorted({int(r) for r in saves["rank"]})
     steps = sorted({int(s) for s in saves["step"]})
     others = sorted({int(r) for r in saves[(saves["rank"] != 0) & (saves["wrote"] > 0)]["rank"]})
-    feedback.expect(not others, f"rank 0 alone wrote each of the {len(steps)} checkpoints (steps "
-                                f"{', '.join(map(str, steps))})",
-                    f"{_on(others, len(ranks))} wrote the checkpoint too: the ranks hold the same weights, "
-                    f"so one file from rank 0 is the whole state; with {len(ranks)} writers the same file "
-                    f"is written {len(ranks)} times (on a shared file system, all at once) for nothing. "
-                    f"Write only under if rank == 0.", hint=2)
+    unsafe = sorted({int(s) for s in saves[(saves["rank"] == 0) & (saves["wrote"] < 1)]["step"]})
+    if others:
+        feedback.fail(f"{_on(others, len(ranks))} wrote the checkpoint too: the ranks hold the same weights, "
+                      f"so one file from rank 0 is the whole state; with {len(ranks)} writers the same file "
+                      f"is written {len(ranks)} times (on a shared file system, all at once) for nothing. "
+                      f"Write only under if rank == 0.", hint=2)
+    elif unsafe:
+        feedback.fail(f"at step {unsafe[0]} rank 0 put no file in place with checkpoint.save_atomic, yet the "
+                      f"run left checkpoints: written with torch.save straight to its final name? A rank "
+                      f"killed mid-write then leaves a half-written file that checkpoint.latest takes for "
+                      f"the newest. Write it with checkpoint.save_atomic(state, path).", hint=2)
+    else:
+        feedback.ok(f"rank 0 alone wrote each of the {len(steps)} checkpoints (steps "
+                    f"{', '.join(map(str, steps))}), atomically")
     early = saves[saves["complete"] < 1]
     if early.empty:
         feedback.ok("on every rank the file was complete when save_checkpoint returned")
