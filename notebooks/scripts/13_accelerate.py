@@ -107,6 +107,6 @@ for epoch in range(args.epochs):
         print(f"epoch {epoch}: {step} steps, last loss {mean_loss.item():.3f} (mean of ranks), "
               f"test accuracy {accuracy:.1%}, {time.perf_counter() - epoch_start:.1f} s")
 
-if args.save:  # rank 0 saves the model unwrapped from DDP
+if args.save:  # one write per machine, from its main process; the model unwrapped from DDP
     accelerator.save(accelerator.unwrap_model(model).state_dict(), args.save)
 accelerator.end_training()  # destroys the process group
