@@ -65,7 +65,7 @@ class AlphaBeta:
         return bus_factor(self.op, world) * (world * self.latency_s + nbytes / (self.busbw_GBps * 1e9))
 
     def __str__(self) -> str:
-        return (f"{self.op} on {self.world_size} ranks: {self.latency_s * 1e6:.1f} us a step, "
+        return (f"{self.op} on {self.world_size} ranks: {self.latency_s * 1e6:.1f} us a ring hop, "
                 f"busbw {self.busbw_GBps:.3g} GB/s (fits the measured sizes within "
                 f"{self.max_error:.0%})")
 

@@ -132,10 +132,13 @@ def baselines(ranks: int) -> None:
 
 if world_size > 1:  # --- DDP on every rank, at its default buckets; then one process alone ----
     bench({"DDP": make({})})
+    # The wait below is a gloo barrier even on GPUs: gloo's ranks sleep in a socket read, where
+    # NCCL's would keep a core busy polling the GPU, and take it from rank 0's baselines.
+    idle = dist.new_group(backend="gloo") if device.type == "cuda" else None  # None: the gloo world
     waited, used = time.perf_counter(), time.process_time()
     if rank == 0:  # then rank 0 alone is one process on the machine: the baselines
         baselines(world_size)
-    dist.barrier()  # the other ranks wait here meanwhile...
+    dist.barrier(group=idle)  # the other ranks wait here meanwhile...
     if rank:  # ...and say how much CPU time they used while they waited
         metrics.log(0, waited_s=time.perf_counter() - waited, waited_cpu_s=time.process_time() - used)
     dist.destroy_process_group()
