@@ -35,6 +35,7 @@ MISTAKES = {
         "    if True:\n",
         "wrote the checkpoint too", ("the drill's losses equal the uninterrupted run's",), hint=2),
     "not-atomic": Mistake("        checkpoint.save_atomic(state, checkpoint.step_path(args.ckpt_dir, step))\n",
+                          "        os.makedirs(args.ckpt_dir, exist_ok=True)\n"
                           "        torch.save(state, checkpoint.step_path(args.ckpt_dir, step))\n",
                           "rank 0 put no file in place with checkpoint.save_atomic",
                           ("the drill's losses equal the uninterrupted run's",),
