@@ -28,7 +28,6 @@ MODULE_LINES, FUNCTION_LINES, ABOUT = 300, 60, 10
 LONG_MODULES = {
     # One exercise, one module (labkit/_course/checks finds them by file name): a check whose
     # phases are many stays whole rather than split into files nobody would look for.
-    "labkit/_course/checks/ex03_syncbn.py": "three phases on BatchNorm statistics, one exercise",
 }
 LONG_FUNCTIONS: dict[str, str] = {}
 
