@@ -154,8 +154,8 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout_s: float = 300,
         Feedback(EXERCISE).stop("check_resume launches your script itself, twice (once whole, once with a "
                                 "crash): pass the script's path, e.g. 'scripts/ex05_resume.py'.")
     drill = _Drill(target, timeout_s, _ranks(2), Path(ckpt_dir))
-    feedback, whole, reference = _uninterrupted(drill)
-    _one_writer_everyone_waits(feedback, whole.metrics())
+    feedback, whole, reference = _uninterrupted(drill)   # whole: that run's metrics
+    _one_writer_everyone_waits(feedback, whole)
     run, df = _fault_drill(feedback, drill)
     fixes = _resumed(feedback, df, drill.crashing_rank)
     # Bit for bit on 2 CPU ranks only. GPU kernels may round differently; and over 3 ranks or more
@@ -169,9 +169,9 @@ def check_resume(target="scripts/ex05_resume.py", *, timeout_s: float = 300,
 
 
 def _uninterrupted(drill: _Drill):
-    """The run from start to finish, and the checkpoint it leaves: (feedback, run, checkpoint)."""
-    feedback, whole = drill.launch(EXERCISE, "whole", name="check-05-uninterrupted")
-    _metrics(feedback, whole, ["loss", "weights_fp"])
+    """The run from start to finish, and the checkpoint it leaves: (feedback, its metrics, checkpoint)."""
+    feedback, run = drill.launch(EXERCISE, "whole", name="check-05-uninterrupted")
+    whole = _metrics(feedback, run, ["loss", "weights_fp"])
     path, reference, error = _load_latest(drill.folder("whole"))
     if path is None:
         feedback.stop(f"the run left no checkpoint in {drill.folder('whole')}: in save_checkpoint, rank 0 writes "
@@ -273,10 +273,10 @@ def _how(exact: bool) -> str:
                                         f"than 2 ranks in another order, may round differently)")
 
 
-def _losses(feedback: Feedback, whole, df, fixes: list[str], exact: bool) -> None:
+def _losses(feedback: Feedback, whole, df, fixes: list[str], exact: bool) -> None:  # whole: metrics
     """Every loss the drill logged, before the crash and after it (the steps done twice both
     times), against the uninterrupted run's; a difference ends the check, naming the first fix."""
-    expected = _losses_by_step(whole.metrics())
+    expected = _losses_by_step(whole)
     logged = df.dropna(subset=["loss"])
     keys = list(zip(logged["rank"], logged["step"]))
     gap = abs(logged["loss"].to_numpy() - expected.reindex(keys).to_numpy())
