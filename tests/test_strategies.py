@@ -4,6 +4,9 @@ reference, on small tables and tensors written here."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -155,3 +158,15 @@ def test_the_strategy_map_is_one_map():
     assert _map("14_long_context_experts") == rows
     assert [row.split("|")[1].strip() for row in rows[2:]] == [
         "DDP", "FSDP", "tensor parallel", "pipeline parallel", "FSDP × TP (2-D)", "context parallel", "expert parallel"]
+
+
+def test_lesson_14s_context_parallel_api_refuses_a_length_that_does_not_split():
+    """On 3 (or 6) GPUs 8192 tokens make no 2 x W equal pieces: torch then drops its zig-zag and the
+    shares differ. The script refuses such a length with the one that works, before it touches a GPU
+    (so this runs on CPU); the lesson passes fit(8192) for that reason."""
+    env = {**os.environ, "WORLD_SIZE": "3", "LOCAL_RANK": "0", "RANK": "0"}
+    done = subprocess.run([sys.executable, "scripts/14_cp_api.py", "--seq-len", "8192"], cwd=ROOT / "notebooks",
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, (done.returncode, done.stderr[-800:])
+    assert "8192 tokens does not split into 6 equal pieces" in done.stderr
+    assert "HINT: a length that is a multiple of 6" in done.stderr
