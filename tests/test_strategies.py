@@ -168,5 +168,5 @@ def test_lesson_14s_context_parallel_api_refuses_a_length_that_does_not_split():
     done = subprocess.run([sys.executable, "scripts/14_cp_api.py", "--seq-len", "8192"], cwd=ROOT / "notebooks",
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, (done.returncode, done.stderr[-800:])
-    assert "8192 tokens does not split into 6 equal pieces" in done.stderr
-    assert "HINT: a length that is a multiple of 6" in done.stderr
+    assert "8192 tokens do not split into 6 equal pieces" in done.stderr
+    assert "HINT: a multiple of 6." in done.stderr

@@ -23,14 +23,12 @@ parser.add_argument("--heads", type=int, default=8)
 args = parser.parse_args()
 pieces = 2 * int(os.environ["WORLD_SIZE"])  # zig-zag: two pieces of the sequence on each rank
 if args.seq_len % pieces:  # unequal pieces: no zig-zag, and the shares differ from rank to rank
-    parser.error(f"a sequence of {args.seq_len} tokens does not split into {pieces} equal pieces. "
-                 f"HINT: a length that is a multiple of {pieces}.")
+    parser.error(f"{args.seq_len} tokens do not split into {pieces} equal pieces. HINT: a multiple of {pieces}.")
 
 device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # GPUs only: on CPU it stops (see the lesson)
 torch.cuda.set_device(device)
 dist.init_process_group("nccl")
 mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("cp",))
-
 
 
 def ring_against_full(q, k, v) -> tuple[int, float]:
