@@ -205,7 +205,7 @@ def test_the_progress_says_step_of_total_samples_per_s_and_the_time_left(view):
     live._read()
     line = live._progress("running")
     assert "step 20/100 · 128 samples/s · about 38 s left · loss" in line, line   # 80 steps at 2/s, less 2 s
-    assert "left" not in live._progress("ok") and "step 20/100 · 128 samples/s" in live._progress("ok")
+    assert "left" not in live._progress("ok") and "step 20/100 · 128 samples/s on average" in live._progress("ok")
     clock.now = 1050.0                        # past the estimated end: not "about 0 s left"
     assert "almost done · loss" in live._progress("running"), live._progress("running")
 

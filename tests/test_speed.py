@@ -52,7 +52,18 @@ def test_the_scaling_report_pairs_ddp_with_each_baseline():
     row = report.iloc[1]
     assert row["speedup"] == pytest.approx(ddp.median() / 480)
     assert row["low"] == pytest.approx(ddp.min() / 640) and row["high"] == pytest.approx(ddp.max() / 320)
-    assert row["efficiency"] == pytest.approx(row["speedup"] / 2)
+    # the ideal is the hardware's ratio: DDP's 2 ranks × 1 thread over 2 threads is 1×, over 1 thread 2×
+    assert list(report["ideal"]) == [2, 1, 2, 1]
+    assert row["efficiency"] == pytest.approx(row["speedup"] / 1)
+    assert report.iloc[0]["efficiency"] == pytest.approx(report.iloc[0]["speedup"] / 2)
+    # 4 ranks of 1 thread on 2 cores: at most every core, so 2× over one thread, not 4×
+    four = pd.concat([df, df[df["setting"] == "DDP"].assign(rank=lambda d: d["rank"] + 2)])
+    assert list(labkit.scaling_report(four, nproc=4, batch_size=32)["ideal"]) == [2, 1, 2, 1]
+    # GPUs: the baselines name no threads, and the ideal is nproc GPUs over one
+    gpu = df.replace({"setting": {"1 thread(s), per-rank batch": "per-rank batch",
+                                  "1 thread(s), global batch": "global batch"}})
+    gpu = gpu[~gpu["setting"].str.startswith("2 thread", na=False)]
+    assert list(labkit.scaling_report(gpu, nproc=2, batch_size=32)["ideal"]) == [2, 2]
     assert labkit.baseline_name("global batch", nproc=4, batch_size=8) == "1 GPU, batch 32"
 
 

@@ -8,7 +8,9 @@ terminal, a test) the same progress text is printed every 15 s, between the rank
 The progress text says the step, and out of how many when the script says so: it logs
 ``total_steps`` once, e.g. ``metrics.log(0, total_steps=epochs * len(loader))`` before its
 loop. From the rate so far it then estimates the time left; without it, it says there is no
-estimate. ``samples/s`` adds up what the ranks logged as ``samples`` since their first line.
+estimate. ``samples/s`` adds up what the ranks logged as ``samples`` since their first line;
+once the run has ended it says "on average", since ``Run.throughput`` gives another figure: the
+steady median, without the slow first windows.
 """
 
 from __future__ import annotations
@@ -139,8 +141,8 @@ class LiveView:
         """Step (of the total), samples/s and, while running, the time left or why none."""
         now = pace(self._records, time.time(), self._round_of)
         parts = [f"step {now['step']}" + (f"/{now['total']:.0f}" if now["total"] is not None else "")]
-        if now["samples_per_s"] is not None:
-            parts.append(f"{now['samples_per_s']:,.0f} samples/s")
+        if now["samples_per_s"] is not None:  # once ended, the whole run's: not Run.throughput's steady median
+            parts.append(f"{now['samples_per_s']:,.0f} samples/s" + ("" if running else " on average"))
         if running and now["eta_s"] is not None:
             parts.append(f"about {duration(now['eta_s'])} left" if now["eta_s"] >= 0.5 else "almost done")
         elif running and now["total"] is None:

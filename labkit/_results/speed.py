@@ -141,7 +141,13 @@ def scaling_report(df, *, nproc: int, batch_size: int, setting: str = "DDP"):
     **Strong** scaling keeps the global batch: its baselines are the one-process settings at the
     global batch. **Weak** scaling keeps the per-rank batch: its baselines run the per-rank
     batch. Speedup is DDP's median samples/s over the baseline's; low and high pair DDP's slowest
-    repeat with the baseline's fastest, and the other way round; efficiency is speedup / nproc.
+    repeat with the baseline's fastest, and the other way round. **Ideal** is the hardware DDP ran
+    on over the baseline's: ``nproc`` GPUs over one; on CPU ranks, the cores DDP's ranks could use
+    (``nproc`` × one rank's threads, at most every core) over the baseline's threads. The bench
+    names each baseline with its threads, the fewest being one rank's and the most every core, so
+    both are read from the names. Efficiency is speedup / ideal: over one process on every core
+    the ideal is 1×, and an efficiency above 100% says DDP's processes beat one process's threads
+    on the same cores.
 
     Args:
         df: the scaling bench's metrics.
@@ -151,7 +157,7 @@ def scaling_report(df, *, nproc: int, batch_size: int, setting: str = "DDP"):
 
     Returns:
         a DataFrame, one row per (scaling, baseline): scaling, baseline, baseline samples/s,
-        DDP samples/s, speedup, low, high, efficiency.
+        DDP samples/s, speedup, low, high, ideal, efficiency.
 
     Raises:
         ValueError: the bench logged no DDP or no one-process setting.
@@ -167,14 +173,24 @@ def scaling_report(df, *, nproc: int, batch_size: int, setting: str = "DDP"):
     if not rates:
         raise ValueError("the bench logged no one-process setting (settings ending in 'batch'): did rank 0 "
                          "run the baselines after DDP?")
+    threads = {name: _threads(name) for name in rates}
+    counts = [n for n in threads.values() if n]
+    ddp_cores = min(nproc * min(counts), max(counts)) if counts else None  # CPU: capped at every core
     rows = []
     for scaling, wanted in (("strong", "global batch"), ("weak", "per-rank batch")):
         for name, rate in rates.items():
             if not name.endswith(wanted):
                 continue
             speedup = ddp.median() / rate.median()
+            ideal = ddp_cores / threads[name] if threads[name] else nproc  # no threads named: one GPU
             rows.append({"scaling": scaling, "baseline": baseline_name(name, nproc=nproc, batch_size=batch_size),
                          "baseline samples/s": rate.median(), "DDP samples/s": ddp.median(),
                          "speedup": speedup, "low": ddp.min() / rate.max(), "high": ddp.max() / rate.min(),
-                         "efficiency": speedup / nproc})
+                         "ideal": ideal, "efficiency": speedup / ideal})
     return pd.DataFrame(rows)
+
+
+def _threads(setting: str) -> int | None:
+    """The threads a bench setting names ("2 thread(s), global batch": 2), or None (a GPU's)."""
+    head = setting.split(" thread(s)")[0]
+    return int(head) if head.isdigit() else None
