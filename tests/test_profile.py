@@ -53,6 +53,69 @@ def test_a_step_is_taken_apart_into_phases_computations_and_all_reduces(tmp_path
         labkit.step_events(trace, 9)
 
 
+def _gpu_trace(folder, correlation=True):
+    """One GPU DDP step (ProfilerStep#6), one bucket. The main thread (tid 1) runs forward,
+    backward and optimizer; autograd's thread (tid 3) the gradient computations, whose launches
+    (cudaLaunchKernel, tied to their kernel by a correlation number) start kernels on stream 7.
+    The last gradient's AccumulateGrad launches the bucket's NCCL all-reduce. Then DDP copies the
+    averaged bucket back into the gradients (launched by autograd's thread, outside any
+    evaluate_function) and the optimizer's kernel runs: both start after the all-reduce did."""
+    meta = [{"ph": "M", "name": "thread_name", "pid": 10, "tid": 1, "args": {"name": "thread 1 (python)"}},
+            {"ph": "M", "name": "thread_name", "pid": 10, "tid": 3, "args": {"name": "thread 3 (python)"}},
+            {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "GPU 0"}},
+            {"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "args": {"name": "stream 7"}}]
+
+    def launched(name, at, number, start, dur, *, tid=1):
+        tie = {"correlation": number} if correlation else {}
+        return [_event("cudaLaunchKernel", at, 20, tid=tid, cat="cuda_runtime", **tie),
+                {**_event(name, start, dur, tid=7, cat="kernel", **tie), "pid": 0}]
+
+    events = [
+        _event("ProfilerStep#6", 0, 12_000, cat="user_annotation"),
+        _event("forward", 600, 2000, cat="user_annotation"),
+        *launched("forward_conv_kernel", 700, 1, 800, 1000),
+        _event("backward", 2700, 6000, cat="user_annotation"),
+        _event("autograd::engine::evaluate_function: ConvolutionBackward0", 2800, 1000, tid=3),
+        *launched("conv_backward_kernel", 2900, 2, 3000, 2000, tid=3),
+        _event("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 3900, 600, tid=3),
+        *launched("elementwise_kernel (into the bucket)", 4000, 3, 5000, 200, tid=3),
+        *launched("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 4300, 4, 5200, 1800, tid=3),
+        *launched("elementwise_kernel (back into the gradients)", 4700, 5, 7000, 300, tid=3),
+        _event("optimizer", 8800, 500, cat="user_annotation"),
+        *launched("multi_tensor_apply_kernel (SGD)", 8900, 6, 9000, 400),
+    ]
+    path = folder / "trace_rank0.json"
+    path.write_text(json.dumps({"traceEvents": meta + events}))
+    return path
+
+
+def test_on_gpus_a_gradient_computation_is_a_kernel_that_autograd_launched(tmp_path):
+    """Not the optimizer's kernel, nor DDP's copy back into the gradients, though both run on the
+    GPU after the all-reduce began: with one bucket, no gradient computation starts after it."""
+    trace = labkit.read_trace(_gpu_trace(tmp_path))
+    phases, compute, comm = labkit.step_events(trace, 6)
+    assert list(compute["name"]) == ["conv_backward_kernel", "elementwise_kernel (into the bucket)"]
+    assert set(compute["label"]) == {"gradient computation"} and list(comm["label"]) == ["all-reduce kernel"]
+    assert list(comm["name"]) == ["ncclDevKernel_AllReduce_Sum_f32_RING_LL"]
+    backward_end = phases.loc[phases["name"] == "backward", "end_ms"].max()
+    sgd = trace[trace["name"].str.startswith("multi_tensor_apply")]
+    assert (sgd["start_ms"] > backward_end).all() and not sgd.index.isin(compute.index).any()
+    later = int((compute["start_ms"] > comm["start_ms"].min()).sum())   # lesson 07's check
+    assert later == 0
+    every_kernel = trace[(trace["cat"] == "kernel") & ~trace["name"].str.startswith("nccl")]
+    assert int((every_kernel["start_ms"] > comm["start_ms"].min()).sum()) == 2   # what it counted before
+
+
+def test_on_gpus_without_launches_the_backward_range_decides(tmp_path):
+    """A trace whose kernels cannot be tied to their launches: the kernels that start inside the
+    backward range count (so the optimizer's, after it, does not)."""
+    trace = labkit.read_trace(_gpu_trace(tmp_path, correlation=False))
+    assert trace["correlation"].isna().all()
+    _, compute, _ = labkit.step_events(trace, 6)
+    assert list(compute["name"]) == ["conv_backward_kernel", "elementwise_kernel (into the bucket)",
+                                     "elementwise_kernel (back into the gradients)"]
+
+
 def test_the_bytes_of_each_steps_all_reduces_are_counted_from_the_trace(tmp_path):
     _trace(tmp_path, dtype="c10::BFloat16")
     sent, types = labkit.allreduce_bytes(SimpleNamespace(run_dir=tmp_path))

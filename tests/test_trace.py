@@ -157,6 +157,34 @@ def test_plot_timeline_draws_any_table_of_spans_with_its_own_text():
     assert sorted(t.get_text() for t in ax.texts) == ["0", "0", "0"] and ax.get_legend() is None
 
 
+def test_plot_timeline_gives_a_label_the_same_colour_in_every_chart():
+    """Lesson 07 draws a step with the loader, then one without: "all-reduce of a bucket" must not
+    take the colour the first chart gave "gradient computation". A label labkit does not know gets
+    a colour of its own, never one of a known label."""
+    import pandas as pd
+    from matplotlib.colors import to_rgba
+
+    def chart(labels):
+        bars = pd.DataFrame({"lane": "main", "name": labels, "start_ms": [float(i) for i in range(len(labels))]})
+        ax = labkit.plot_timeline(bars.assign(end_ms=bars["start_ms"] + 1))
+        legend = ax.get_legend()
+        return {t.get_text(): to_rgba(h.get_facecolor()) for t, h in zip(legend.get_texts(), legend.legend_handles)}
+
+    with_data = chart(["data", "forward", "backward", "optimizer", "gradient computation", "all-reduce of a bucket"])
+    without = chart(["forward", "backward", "optimizer", "all-reduce of a bucket", "gradient computation",
+                     "ProfilerStep#5", "my label"])
+    for label in with_data:
+        if label in without:
+            assert with_data[label] == without[label], label
+    assert len(set(with_data.values())) == len(with_data)                  # six labels, six colours
+    known = {to_rgba(c) for c in _trace.LABEL_COLOURS.values()}
+    assert without["ProfilerStep#5"] not in known and without["my label"] not in known
+    assert without["ProfilerStep#5"] != without["my label"]
+    assert with_data["gradient computation"] == to_rgba("tab:purple")   # as the first chart drew it
+    many = chart([f"label {i}" for i in range(30)])                       # past the spare colours: they repeat,
+    assert not set(many.values()) & known                                 # but never as a known label's
+
+
 def test_plot_timeline_refuses_bad_input(tmp_path):
     import pandas as pd
 

@@ -22,8 +22,9 @@ def step_events(trace, step: int):
     - **phases**: the script's ``record_function`` labels ``forward``, ``backward`` and
       ``optimizer``, and the loader's ``next()`` (``enumerate(DataLoader)...``), labelled "data";
     - **compute**: on CPU ranks autograd's work, one ``autograd::engine::evaluate_function`` per
-      gradient computation, on the lane "backward (main thread)"; on GPUs the kernels that are
-      not NCCL's;
+      gradient computation, on the lane "backward (main thread)"; on GPUs the kernels that those
+      computations launched: not the forward's, not the optimizer's, not DDP's copy of the
+      averaged buckets into the gradients once the backward pass is over;
     - **comm**: on CPU ranks each bucket's all-reduce, on the lane of the gloo thread that ran
       it; on GPUs NCCL's kernels.
 
@@ -52,9 +53,10 @@ def step_events(trace, step: int):
     phases = events[events["name"].isin(["forward", "backward", "optimizer"]) | loading]
     phases = phases.assign(label=phases["name"].where(~loading[phases.index], "data"))
     gpu = events["device"] == "gpu"
-    if gpu.any():   # GPUs: the kernels themselves; NCCL's are the communication
+    if gpu.any():   # GPUs: the kernels of the backward pass; NCCL's are the communication
         nccl = gpu & events["name"].str.contains("nccl", case=False)
-        compute = events[gpu & ~nccl & (events["cat"] == "kernel")].assign(label="kernel")
+        kernels = events[gpu & ~nccl & (events["cat"] == "kernel")]
+        compute = kernels[_gradient_kernels(trace, events, kernels)].assign(label="gradient computation")
         comm = events[nccl].assign(label="all-reduce kernel")
     else:           # CPU ranks: autograd's computations, and gloo's threads
         compute = events[events["name"].str.startswith("autograd::engine::evaluate_function")]
@@ -62,6 +64,51 @@ def step_events(trace, step: int):
         comm = events[events["collective"] == "all_reduce"]
         comm = comm.assign(lane=[f"gloo thread {tid}" for tid in comm["tid"]], label="all-reduce of a bucket")
     return phases, compute, comm
+
+
+def _gradient_kernels(trace, events, kernels):
+    """Which GPU kernels compute gradients: those that autograd's computations launched.
+
+    A kernel's row and the CUDA runtime call that launched it, on a CPU thread, share a
+    ``correlation`` number. A kernel computes gradients when that call ran inside one of
+    autograd's ``autograd::engine::evaluate_function`` events (on GPUs, autograd runs them on a
+    thread of its own). So the forward's kernels, the optimizer's, and DDP's copy of the averaged
+    buckets into the gradients (launched once every computation is done) do not count, though
+    the GPU may run them late. A trace without those launches or those events: the kernels that
+    start inside the step's ``backward`` range (from its earliest start to its latest end, on the
+    GPU's timeline or the CPU's); every kernel where the step has no such range either.
+
+    Args:
+        trace: a DataFrame from ``labkit.read_trace`` (the whole trace: the launches are read there).
+        events: its rows of one step.
+        kernels: rows of ``events``, the kernels to sort.
+
+    Returns:
+        a boolean Series, aligned with ``kernels``: True for a gradient computation.
+    """
+    import bisect
+
+    import pandas as pd
+
+    from labkit._diagnose.trace import _union
+
+    cpu = trace[(trace["device"] == "cpu") & trace["correlation"].notna()]
+    launched_at = dict(zip(cpu["correlation"].astype(int), cpu["start_ms"]))
+    launches = [launched_at.get(int(c)) if c is not pd.NA else None for c in kernels["correlation"]]
+    autograd = trace[trace["name"].str.startswith("autograd::engine::evaluate_function")]
+    if autograd.empty or all(t is None for t in launches):   # the backward range decides
+        backward = events[events["name"] == "backward"]
+        first = float(backward["start_ms"].min()) if len(backward) else float("-inf")
+        last = float(backward["end_ms"].max()) if len(backward) else float("inf")
+        return kernels["start_ms"].between(first, last, inclusive="left").astype(bool)
+    spans = _union(zip(autograd["start_ms"], autograd["end_ms"]))   # nested calls: one span
+    starts = [start for start, _ in spans]
+
+    def in_autograd(t: float | None) -> bool:
+        i = -1 if t is None else bisect.bisect_right(starts, t) - 1
+        return i >= 0 and t <= spans[i][1]
+
+    return pd.Series([in_autograd(t) for t in launches], index=kernels.index, dtype=bool)
 
 
 def allreduce_bytes(run, *, rank: int = 0, name: str = "trace_rank{rank}.json"):

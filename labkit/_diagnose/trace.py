@@ -31,7 +31,12 @@ _COLLECTIVE = re.compile(r"^(gloo|nccl|ucc|mpi|xccl):(\w+)$")
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
 _GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"}
 COLUMNS = ["name", "cat", "lane", "device", "pid", "tid", "step", "start_ms", "end_ms", "dur_ms",
-           "self_ms", "collective", "bytes", "dims", "dtypes"]
+           "self_ms", "collective", "bytes", "dims", "dtypes", "correlation"]
+#: The colour of each label of ``step_events``, the same in every chart (tab10's first six, in the
+#: order lesson 07's first timeline meets them; gloo's and NCCL's all-reduces share one).
+LABEL_COLOURS = {"data": "tab:blue", "forward": "tab:orange", "backward": "tab:green",
+                 "optimizer": "tab:red", "gradient computation": "tab:purple",
+                 "all-reduce of a bucket": "tab:brown", "all-reduce kernel": "tab:brown"}
 
 
 def _tensor_bytes(dims, dtypes) -> float:
@@ -107,7 +112,8 @@ def read_trace(path: str | os.PathLike):
     it directly holds on its thread or stream, the profiler table's "Self CPU"); ``collective`` (the operation of a process group's record, e.g.
     "all_reduce" for ``gloo:all_reduce`` or ``nccl:all_reduce``, else None); ``bytes`` (of the
     tensors the event received, from ``record_shapes=True``; NaN where unknown); ``dims`` and
-    ``dtypes`` as the profiler recorded them.
+    ``dtypes`` as the profiler recorded them; ``correlation`` (on GPUs, the number that links a
+    kernel to the CUDA runtime call on the CPU that launched it, in both rows; else NA).
 
     ``df.attrs`` holds the trace's ``path`` and, for a distributed run, its ``rank``,
     ``world_size`` and ``backend``.
@@ -158,9 +164,10 @@ def read_trace(path: str | os.PathLike):
             "end_ms": start + float(e.get("dur", 0)) / 1000, "dur_ms": float(e.get("dur", 0)) / 1000,
             "collective": found.group(2) if found else None,
             "bytes": _tensor_bytes(dims, dtypes), "dims": dims, "dtypes": dtypes,
-        })
+            "correlation": args["correlation"] if type(args.get("correlation")) is int else None})
     df = pd.DataFrame(rows).sort_values(["start_ms", "end_ms"], kind="stable").reset_index(drop=True)
     df["self_ms"] = _self_ms(df)
+    df["correlation"] = pd.array(df["correlation"], dtype="Int64")
     df["step"] = pd.array([pd.NA] * len(df), dtype="Int64")
     spans = df[df["name"].str.match(_STEP.pattern)]
     for device in ("cpu", "gpu"):
@@ -210,6 +217,19 @@ def overlap_ms(events, others) -> float:
     return total
 
 
+def _colours(labels) -> dict:
+    """{label: colour}: ``LABEL_COLOURS``'s; for the others, in order, tab10's and tab20's light
+    shades, less every colour of ``LABEL_COLOURS`` (an unknown label never looks like a known one)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    fixed = {to_rgba(c) for c in LABEL_COLOURS.values()}
+    spare = [c for c in map(to_rgba, plt.cm.tab10.colors + plt.cm.tab20.colors[1::2]) if c not in fixed]
+    others = dict.fromkeys(label for label in labels if label not in LABEL_COLOURS)
+    return {label: to_rgba(LABEL_COLOURS[label]) if label in LABEL_COLOURS
+            else spare[list(others).index(label) % len(spare)] for label in labels}
+
+
 def plot_timeline(events, *, lanes=None, ax=None, title: str | None = None, legend: bool = True):
     """Draw trace events as bars on a time axis, one row per lane (thread or GPU stream).
 
@@ -217,9 +237,10 @@ def plot_timeline(events, *, lanes=None, ax=None, title: str | None = None, lege
         events: rows of ``read_trace`` (``lane``, ``start_ms``, ``end_ms``, ``name``), already
             chosen: a step's phases and its all-reduces, say; or any table with those columns
             (a pipeline's schedule, one lane per stage). A ``label`` column, where present,
-            names each bar (and picks its colour) instead of ``name``. Each label is written
-            once per lane, in its widest bar (when wide enough); a ``text`` column, where
-            present, is written in every bar wide enough instead (a micro-batch's number, say).
+            names each bar (and picks its colour: ``LABEL_COLOURS``, else one none of those
+            has) instead of ``name``. Each label is written once per lane, in its widest bar
+            (when wide enough); a ``text`` column, where present, is written in every bar wide
+            enough instead (a micro-batch's number, say).
         lanes: the rows to draw, top to bottom, and what to call them: a list of lane names,
             or a dict {lane: shown name}. Default: every lane, in order of first appearance.
         ax: the axes to draw on (a new figure if None).
@@ -260,8 +281,7 @@ def plot_timeline(events, *, lanes=None, ax=None, title: str | None = None, lege
         groups = [events["lane"], labels]
         widest = widths.eq(widths.groupby(groups).transform("max"))
         texts = labels.where(widest & widest.groupby(groups).cumsum().eq(1), "")  # the first widest
-    palette = plt.get_cmap("tab10").colors
-    colour = {label: palette[i % len(palette)] for i, label in enumerate(dict.fromkeys(labels))}
+    colour = _colours(dict.fromkeys(labels))
     origin = float(events["start_ms"].min())
     span = float(events["end_ms"].max()) - origin or 1.0
     if ax is None:

@@ -78,7 +78,8 @@ def run_steps(setting, profiler=None) -> float:
 
 def bench(settings) -> None:
     """Time every setting `repeats` times, interleaved so that a slow spell of the machine
-    spreads over all of them, after one warm-up round that is not logged."""
+    spreads over all of them, after one warm-up round that is not logged; print each setting's
+    median over the repeats of the slowest rank's time."""
     times = {name: [] for name in settings}
     for repeat in range(args.repeats + 1):
         for name, setting in settings.items():
@@ -87,9 +88,12 @@ def bench(settings) -> None:
                 times[name].append(step_s)
                 metrics.log(repeat, setting=name, step_time_s=step_s,
                             batch_size=len(setting["batches"][0][1]))
+    slowest = torch.tensor(list(times.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
     if rank == 0:
-        for name, found in times.items():
-            print(f"{name:>34}: {1000 * statistics.median(found):7.1f} ms a step (median)")
+        for name, found in zip(times, slowest.tolist()):
+            print(f"{name:>34}: {1000 * statistics.median(found):7.1f} ms a step "
+                  f"(the slowest rank's, median of {len(found)} repeats)")
 
 
 def save_trace(setting, name: str) -> None:
