@@ -48,8 +48,8 @@ def test_python_c_prints_the_question_and_never_loads_ipywidgets():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        "predict · loss gap without SyncBN (%) · your guess: 2 %",
-        "loss gap without SyncBN: you said 2 %, measured 2.5 %: 20% too low."]
+        "predict · loss gap without SyncBN (%) · your guess: 2%",
+        "loss gap without SyncBN: you said 2%, measured 2.5%: 20% too low."]
     assert "ipywidgets" not in imported_by(code)
 
 
@@ -114,6 +114,18 @@ def test_no_guess_is_one_line_and_never_an_error(capsys):
     assert capsys.readouterr().out == ("all-reduces saved by no_sync: no guess; measured 12 "
                                        "all-reduces. one per micro-step but the last\n")
     assert graded.guess is None and graded.gap is None
+
+
+def test_a_position_reads_with_its_unit_first(capsys):
+    """A question "at which step" is answered by step 16, not by "16 step"."""
+    p = labkit.predict("at which step does the restarted job resume", unit="step", guess=15)
+    assert "your guess: step 15" in p.text()
+    assert p.grade(16).line == ("at which step does the restarted job resume: you said step 15, "
+                                "measured step 16: within 7%.")
+    graded = labkit.predict("after which step do all the ranks stop", unit="step").grade(20)
+    assert graded.line == "after which step do all the ranks stop: no guess; measured step 20."
+    ratio = labkit.predict("DDP's speedup", unit="×", guess=2).grade(1.5)
+    assert ratio.line == "DDP's speedup: you said 2×, measured 1.5×: 33% too high."
 
 
 def test_numpy_numbers_are_measurements_too(capsys):

@@ -10,7 +10,7 @@ import html
 
 import ipywidgets as widgets
 
-from labkit._interact.predict import _read, number
+from labkit._interact.predict import _read, amount, number
 
 
 def show(widget, text: str) -> None:
@@ -27,7 +27,7 @@ def note_for(typed: str, unit: str) -> str:
     """What the box says beside a guess as it is typed."""
     value, unreadable = _read(typed)
     if value is not None:
-        return f"your guess: {number(value)} {unit}"
+        return f"your guess: {amount(value, unit)}"
     return f"✗ not a number: {unreadable!r}" if unreadable else ""
 
 

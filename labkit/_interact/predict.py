@@ -25,6 +25,8 @@ from labkit._interact import guesses
 
 #: A guess this close to the measurement (relative gap) reads "within N%".
 CLOSE = 0.10
+#: Units that name a position, not an amount: written before the figure ("step 16", not "16 step").
+POSITIONS = {"step", "epoch", "rank", "round"}
 
 
 def _text(value, name: str, example: str) -> str:
@@ -47,6 +49,15 @@ def number(x: float) -> str:
     if "e" in short and 1e-4 <= abs(x) < 1e15:
         return f"{x:,.0f}" if abs(x) >= 1 else f"{x:.6f}".rstrip("0")
     return short
+
+
+def amount(x: float, unit: str) -> str:
+    """A figure with its unit: "1.23 MB", "12 all-reduces"; a ratio or a share as written:
+    "1.8×", "40%"; a position reads as one: "step 16" (``POSITIONS``: a question "at which
+    step" is answered by a step, not by 16 of them)."""
+    if unit in POSITIONS:
+        return f"{unit} {number(x)}"
+    return f"{number(x)}{unit}" if unit in ("×", "%") else f"{number(x)} {unit}"
 
 
 def gap_words(guess: float, measured: float) -> str:
@@ -133,7 +144,7 @@ class Prediction:
     def text(self) -> str:
         """The question as one line of text (what is shown outside JupyterLab)."""
         guess = self.guess
-        said = (f"your guess: {number(guess)} {self.unit}" if guess is not None else
+        said = (f"your guess: {amount(guess, self.unit)}" if guess is not None else
                 f"no guess yet (type one in JupyterLab, or pass guess=...)")
         return f"predict · {self.question} ({self.unit}) · {said}"
 
@@ -173,12 +184,12 @@ class Prediction:
 
     def _graded(self, measured: float, why: str) -> Grade:
         guess, unreadable = _read(self._box.value) if self._box is not None else (self._guess, "")
-        said = f"{number(measured)} {self.unit}"
+        said = amount(measured, self.unit)
         if guess is None:
             what = f"could not read {unreadable!r} as a number" if unreadable else "no guess"
             line, gap = f"{self.question}: {what}; measured {said}.", None
         else:
-            line = (f"{self.question}: you said {number(guess)} {self.unit}, measured {said}: "
+            line = (f"{self.question}: you said {amount(guess, self.unit)}, measured {said}: "
                     f"{gap_words(guess, measured)}.")
             gap = abs(guess - measured) / abs(measured) if measured else None
         return Grade(self.question, self.unit, guess, measured, gap, why,
