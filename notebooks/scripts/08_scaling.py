@@ -81,7 +81,7 @@ def run_steps(setting, profiler=None) -> float:
 
 def bench(settings) -> None:
     """Time every setting `repeats` times, interleaved so that a slow spell of the machine
-    spreads over all of them, after one warm-up round that is not logged."""
+    spreads over all of them, after one warm-up round that is not logged; print rank 0's medians."""
     times = {name: [] for name in settings}
     for repeat in range(args.repeats + 1):
         for name, setting in settings.items():
@@ -92,7 +92,7 @@ def bench(settings) -> None:
                             batch_size=len(setting["batches"][0][1]))
     if rank == 0:
         for name, found in times.items():
-            print(f"{name:>34}: {1000 * statistics.median(found):7.1f} ms a step (median)")
+            print(f"{name:>34}: {1000 * statistics.median(found):7.1f} ms a step (rank 0's, median of {len(found)} repeats)")
 
 
 def baselines(ranks: int) -> None:
