@@ -107,6 +107,7 @@ for strategy in args.strategies.split(","):
                         **{f"bytes_{kind}": n for kind, n in sent.bytes.items()})
         if step == 1 and strategy == "ddp":
             reference["grad"] = torch.cat([p.grad.flatten() for p in model.parameters()])
+            metrics.log(step, strategy=strategy, grad_max=reference["grad"].abs().max().item())  # grad_gap's scale
         if step == 1 and units:  # this rank's slice of the mean gradient, against DDP's
             offset, gap = 0, 0.0
             for unit in units:
