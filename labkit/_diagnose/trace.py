@@ -225,9 +225,9 @@ def _colours(labels) -> dict:
 
     fixed = {to_rgba(c) for c in LABEL_COLOURS.values()}
     spare = [c for c in map(to_rgba, plt.cm.tab10.colors + plt.cm.tab20.colors[1::2]) if c not in fixed]
-    others = dict.fromkeys(label for label in labels if label not in LABEL_COLOURS)
-    return {label: to_rgba(LABEL_COLOURS[label]) if label in LABEL_COLOURS
-            else spare[list(others).index(label) % len(spare)] for label in labels}
+    others = {label: spare[i % len(spare)]
+              for i, label in enumerate(label for label in labels if label not in LABEL_COLOURS)}
+    return {label: to_rgba(LABEL_COLOURS[label]) if label in LABEL_COLOURS else others[label] for label in labels}
 
 
 def plot_timeline(events, *, lanes=None, ax=None, title: str | None = None, legend: bool = True):

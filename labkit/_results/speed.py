@@ -130,9 +130,8 @@ def baseline_name(setting: str, *, nproc: int, batch_size: int) -> str:
         # '1 process × 1 thread(s), batch 64'
     """
     size = nproc * batch_size if setting.endswith("global batch") else batch_size
-    if "thread" in setting:
-        return f"1 process × {setting.split(',')[0]}, batch {size}"
-    return f"1 GPU, batch {size}"
+    threads = _threads(setting)
+    return f"1 process × {threads} thread(s), batch {size}" if threads else f"1 GPU, batch {size}"
 
 
 def scaling_report(df, *, nproc: int, batch_size: int, setting: str = "DDP"):
