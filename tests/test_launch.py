@@ -70,6 +70,25 @@ def no_run_started(workdir: Path) -> bool:
 
 
 # -- bad input: a clear error, and nothing launched ----------------------------------
+def test_the_command_to_type_yourself_keeps_elastic_nodes_and_restarts(write_script):
+    """Each launch prints what a learner would type for it. An elastic launch's line keeps its
+    MIN:MAX nodes and its --max-restarts (lesson 10's printed --nnodes=2 and no restarts: a job
+    that dies with its first node); a launch that may restart says so on one machine too."""
+    from labkit._launch.command import terminal_command
+
+    write_script("train.py", "print('hi')")
+    one = plan("train.py", nproc=2, device="cpu", args=["--epochs", "1"])
+    assert terminal_command(one) == "torchrun --standalone --nproc-per-node=2 train.py --epochs 1"
+    again = plan("train.py", nproc=2, device="cpu", max_restarts=2)
+    assert terminal_command(again) == "torchrun --standalone --nproc-per-node=2 --max-restarts=2 train.py"
+    fixed = plan("train.py", nproc=1, device="cpu", nnodes=2)
+    assert terminal_command(fixed).startswith("torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d ")
+    elastic = plan("train.py", nproc=1, device="cpu", nnodes=2, min_nodes=1, max_restarts=3, args=["--x", "a b"])
+    assert terminal_command(elastic) == (
+        "torchrun --nnodes=1:2 --nproc-per-node=1 --max-restarts=3 --rdzv-backend=c10d "
+        "--rdzv-endpoint=<first node>:29500 --rdzv-id=<job id> train.py --x 'a b'")
+
+
 def test_missing_script(workdir):
     with pytest.raises(FileNotFoundError, match=r"'nope.py' does not exist.*HINT: paths are relative"):
         labkit.launch("nope.py")

@@ -52,6 +52,20 @@ def torchrun_argv(p: Plan, run_dir: Path, run_id: str, *, node: int = 0,
     ]
 
 
+def terminal_command(p: Plan) -> str:
+    """What a learner would type for the same launch: on one machine ``torchrun --standalone``;
+    on several nodes the line every node runs, with the cluster's address and a job id to fill
+    in. Elastic launches keep their ``MIN:MAX`` nodes, and restarts their ``--max-restarts``."""
+    restarts = [f"--max-restarts={p.max_restarts}"] if p.max_restarts else []
+    if p.nnodes == 1:
+        argv = ["torchrun", "--standalone", f"--nproc-per-node={p.nproc}", *restarts]
+    else:
+        argv = ["torchrun", f"--nnodes={elastic.nnodes_spec(p)}", f"--nproc-per-node={p.nproc}",
+                *restarts, "--rdzv-backend=c10d", "--rdzv-endpoint=<first node>:29500",
+                "--rdzv-id=<job id>"]
+    return " ".join(argv) + " " + shlex.join([p.script, *p.args])
+
+
 def node_env(env: dict, p: Plan, node: int) -> dict:
     """Agent ``node``'s environment: which node it is and, on GPUs, its own devices."""
     if p.nnodes == 1:

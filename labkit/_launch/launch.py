@@ -17,7 +17,8 @@ import uuid
 from labkit import _hardware, _rundir
 from labkit._errors import LaunchError, LaunchTimeout
 from labkit._launch import agents, elastic, procs, supervise
-from labkit._launch.command import node_env, rank_env, run_info, safe_name, torchrun_argv
+from labkit._launch.command import (node_env, rank_env, run_info, safe_name, terminal_command,
+                                    torchrun_argv)
 from labkit._launch.events import Context, Driver, Progress, check_events
 from labkit._launch.failures import collect_failures, failure_hint, timeout_hint
 from labkit._launch.live import LiveView
@@ -244,16 +245,13 @@ class _Launch:
 
     def _echo(self) -> None:
         """Print the exact command(s), and what one would type in a terminal instead."""
-        script_and_args = shlex.join([self.p.script, *self.p.args])
         if self.p.nnodes == 1:
             self.emit(f"$ {self.run.command}")
-            self.emit(f"  (from a terminal: torchrun --standalone --nproc-per-node={self.p.nproc} {script_and_args})")
+            self.emit(f"  (from a terminal: {terminal_command(self.p)})")
         else:
             for node, command in enumerate(self.run.info["commands"]):
                 self.emit(f"$ [node{node}] {command}")
-            self.emit(f"  (on a cluster, the same line on every node: torchrun --nnodes={self.p.nnodes} "
-                      f"--nproc-per-node={self.p.nproc} --rdzv-backend=c10d "
-                      f"--rdzv-endpoint=<first node>:29500 --rdzv-id=<job id> {script_and_args})")
+            self.emit(f"  (on a cluster, the same line on every node: {terminal_command(self.p)})")
         if self.p.device == "cpu" and self.p.world_size * self.p.threads_per_rank > _hardware.cpu_count():
             self.emit(f"note: {self.p.world_size} ranks × {self.p.threads_per_rank} thread(s) on "
                       f"{_hardware.cpu_count()} cores: ranks share cores, so timings understate speedup.")
