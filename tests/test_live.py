@@ -293,3 +293,20 @@ def test_the_live_frames_carry_the_stop_button(view, monkeypatch):
     assert "<button class='labkit-stop'>" in handle.shown[-1][1]["text/html"]
     live.finish("ok")
     assert "text/html" not in handle.shown[-1][1], "the saved notebook keeps the chart, not the button"
+
+
+def test_a_long_progress_line_is_a_title_of_several_lines_broken_between_its_parts():
+    """A run's finished line runs to 100 characters and more: as one line, a 7-inch chart cut it
+    off ("loss 2.3421 (mean of 2"). Broken between its parts, every part is whole."""
+    from labkit._launch.live_chart import loss_figure, wrap_title
+
+    line = ("reference: ok · 7 s · 2 rank(s) · step 12 · 1,349 samples/s on average · "
+            "loss 2.3421 (mean of 2 ranks)")
+    wrapped = wrap_title(line)
+    assert wrapped.replace("\n", " · ") == line and len(wrapped.splitlines()) == 2, wrapped
+    assert all(len(part) <= 72 for part in wrapped.splitlines()), wrapped
+    assert wrap_title("ddp: step 3") == "ddp: step 3"
+    assert wrap_title("x" * 90 + " · y") == "x" * 90 + "\ny"   # a long part keeps its own line
+    records = [{"rank": 0, "step": s, "time": float(s), "loss": 2.0} for s in (1, 2)]
+    fig = loss_figure(records, [0, 0], [records[0]], line)
+    assert fig.axes[0].get_title() == wrapped

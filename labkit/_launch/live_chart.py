@@ -92,6 +92,19 @@ def loss_figure(records: list[dict], rounds: list[int], starts: list[dict], titl
     ax.grid(alpha=0.3)
     if len(ranks) > 1:
         ax.legend(fontsize=8, ncol=min(4, len(ranks)))
-    ax.set_title(title, fontsize=10)
+    ax.set_title(wrap_title(title), fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def wrap_title(title: str, width: int = 72) -> str:
+    """The progress line as a chart title: broken between its `` · `` parts into lines of at most
+    ``width`` characters (a part longer than that keeps its own line), so that none is cut off."""
+    lines, line = [], ""
+    for part in title.split(" · "):
+        if line and len(line) + 3 + len(part) > width:
+            lines.append(line)
+            line = part
+        else:
+            line = f"{line} · {part}" if line else part
+    return "\n".join(lines + [line])
