@@ -111,6 +111,7 @@ def baselines(ranks: int) -> None:
             F.cross_entropy(model(x), y).backward()
         metrics.log(0, batch_size=size, flops_per_step=counter.get_total_flops())
     n = 4096 if device.type == "cuda" else 1024  # the peak: a large matmul, the best case
+    torch.backends.cuda.matmul.allow_tf32 = True  # on GPUs in TF32, as cuDNN's convolutions run
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     for count in threads:
         if count:
