@@ -69,7 +69,7 @@ def no_run_started(workdir: Path) -> bool:
     return not runs.exists() or not any(runs.iterdir())
 
 
-# -- bad input: a clear error, and nothing launched ----------------------------------
+# -- what a launch prints for the learner to type ------------------------------------
 def test_the_command_to_type_yourself_keeps_elastic_nodes_and_restarts(write_script):
     """Each launch prints what a learner would type for it. An elastic launch's line keeps its
     MIN:MAX nodes and its --max-restarts (lesson 10's printed --nnodes=2 and no restarts: a job
@@ -89,6 +89,7 @@ def test_the_command_to_type_yourself_keeps_elastic_nodes_and_restarts(write_scr
         "--rdzv-endpoint=<first node>:29500 --rdzv-id=<job id> train.py --x 'a b'")
 
 
+# -- bad input: a clear error, and nothing launched ----------------------------------
 def test_missing_script(workdir):
     with pytest.raises(FileNotFoundError, match=r"'nope.py' does not exist.*HINT: paths are relative"):
         labkit.launch("nope.py")
