@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from labkit import _rundir
-from labkit._launch.live_chart import loss_figure, rounds_of
+from labkit._launch.live_chart import PART_SEP, loss_figure, rounds_of
 from labkit._launch.stop import kernel_id, stop_button
 from labkit._launch.tail import LineTail, parse_records
 
@@ -135,7 +135,7 @@ class LiveView:
             loss = self._latest_loss()
             if loss:
                 parts.append(loss)
-        return " · ".join(parts)
+        return PART_SEP.join(parts)
 
     def _pace(self, running: bool) -> list[str]:
         """Step (of the total), samples/s and, while running, the time left or why none."""

@@ -97,14 +97,17 @@ def loss_figure(records: list[dict], rounds: list[int], starts: list[dict], titl
     return fig
 
 
+PART_SEP = " · "   # between the parts of a progress line (LiveView._progress joins them)
+
+
 def wrap_title(title: str, width: int = 72) -> str:
-    """The progress line as a chart title: broken between its `` · `` parts into lines of at most
-    ``width`` characters (a part longer than that keeps its own line), so that none is cut off."""
+    """The progress line as a chart title: broken between its ``PART_SEP`` parts into lines of at
+    most ``width`` characters (a part longer than that keeps its own line), so that none is cut off."""
     lines, line = [], ""
-    for part in title.split(" · "):
-        if line and len(line) + 3 + len(part) > width:
+    for part in title.split(PART_SEP):
+        if line and len(line) + len(PART_SEP) + len(part) > width:
             lines.append(line)
             line = part
         else:
-            line = f"{line} · {part}" if line else part
+            line = f"{line}{PART_SEP}{part}" if line else part
     return "\n".join(lines + [line])
