@@ -128,6 +128,20 @@ def test_a_position_reads_with_its_unit_first(capsys):
     assert ratio.line == "DDP's speedup: you said 2×, measured 1.5×: 33% too high."
 
 
+def test_a_figure_worked_out_rather_than_measured_says_what_gave_it(capsys, tmp_path):
+    """Lesson 12 grades a guess of the ideal bubble against a replay, not a measurement."""
+    run = make_run(tmp_path / "r")
+    p = labkit.predict("the bubble", unit="%", guess=10)
+    graded = p.grade(11.11, run=run, source="the ideal replay gave", why="(p-1)/(m+p-1)")
+    assert graded.line == "the bubble: you said 10%, the ideal replay gave 11.11%: within 10%. (p-1)/(m+p-1)"
+    assert labkit.predict("the bubble", unit="%").grade(50, source="the replay gave").line == (
+        "the bubble: no guess; the replay gave 50%.")
+    capsys.readouterr()
+    with pytest.raises(ValueError, match=r"source must be a non-empty string, got ''\. HINT"):
+        p.grade(1.0, run=run, source="")
+    assert capsys.readouterr().out == "" and len(run.predictions()) == 1
+
+
 def test_numpy_numbers_are_measurements_too(capsys):
     np = pytest.importorskip("numpy")
     graded = labkit.predict("buckets per step", unit="buckets", guess=4).grade(np.int64(4))

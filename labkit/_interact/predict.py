@@ -148,7 +148,7 @@ class Prediction:
                 f"no guess yet (type one in JupyterLab, or pass guess=...)")
         return f"predict · {self.question} ({self.unit}) · {said}"
 
-    def grade(self, measured, *, run=None, why: str = "") -> Grade:
+    def grade(self, measured, *, run=None, why: str = "", source: str = "measured") -> Grade:
         """Compare the guess with the measured figure in one printed line, and keep both.
 
         Never raises for a missing guess: the line then says there was none. The lesson's own
@@ -159,12 +159,15 @@ class Prediction:
             run: the Run (or Sweep, or run folder) it came from: the grade is appended to its
                 ``predictions.jsonl``. None: nothing is kept.
             why: one short sentence on why the figure is what it is (printed after the gap).
+            source: the words before the figure: "measured", or what gave a figure that was
+                worked out rather than measured, e.g. "the ideal replay gave".
 
         Returns:
             a Grade (its ``line`` is what was printed).
 
         Raises:
-            ValueError: ``measured`` is not a finite number, ``why`` not a string, or ``run`` is
+            ValueError: ``measured`` is not a finite number, ``why`` not a string, ``source`` not
+                a non-empty string, or ``run`` is
                 not a run or sweep folder (nothing is printed or kept then).
 
         Example (lesson 02)::
@@ -175,21 +178,22 @@ class Prediction:
                            f"number, e.g. float(value); a tensor: value.item()")
         if not isinstance(why, str):
             raise ValueError(f"why must be a string, got {why!r}. HINT: why=\"one short sentence\".")
+        source = _text(source, "source", 'source="measured", or e.g. source="the ideal replay gave"')
         folder = None if run is None else guesses.folder_of(run)
-        graded = self._graded(measured, why.strip())
+        graded = self._graded(measured, why.strip(), source)
         print(graded.line)
         if folder is not None:
             guesses.keep(folder, graded)
         return graded
 
-    def _graded(self, measured: float, why: str) -> Grade:
+    def _graded(self, measured: float, why: str, source: str = "measured") -> Grade:
         guess, unreadable = _read(self._box.value) if self._box is not None else (self._guess, "")
         said = amount(measured, self.unit)
         if guess is None:
             what = f"could not read {unreadable!r} as a number" if unreadable else "no guess"
-            line, gap = f"{self.question}: {what}; measured {said}.", None
+            line, gap = f"{self.question}: {what}; {source} {said}.", None
         else:
-            line = (f"{self.question}: you said {amount(guess, self.unit)}, measured {said}: "
+            line = (f"{self.question}: you said {amount(guess, self.unit)}, {source} {said}: "
                     f"{gap_words(guess, measured)}.")
             gap = abs(guess - measured) / abs(measured) if measured else None
         return Grade(self.question, self.unit, guess, measured, gap, why,
