@@ -111,7 +111,8 @@ def timed(kind: str, work):
         out = work(microbatch, *inputs, **options)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        events.append((kind, microbatch, start, time.time()))
+        # stage.fwd_cache: the micro-batches whose forward PyTorch keeps for their backward
+        events.append((kind, microbatch, start, time.time(), len(stage.fwd_cache)))
         return out
     return run
 
@@ -141,8 +142,8 @@ for step in range(1, args.steps + 1):
         held = memory.model_bytes(model, optimizer)
         metrics.log(step, param_bytes=held.params, grad_bytes=held.grads, optim_bytes=held.optimizer)
     optimizer.zero_grad(set_to_none=True)
-    for kind, microbatch, start, end in events:
-        metrics.log(step, phase=kind, microbatch=microbatch, start=start, end=end)
+    for kind, microbatch, start, end, held in events:
+        metrics.log(step, phase=kind, microbatch=microbatch, start=start, end=end, held=held)
     loss = {"loss": torch.stack(losses).mean().item()} if last else {}  # the batch's mean loss
     metrics.log(step, samples=args.batch_size, sent_bytes=sent.sent_bytes,
                 sends=sent.calls.get("send", 0), **loss)
