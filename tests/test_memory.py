@@ -72,6 +72,34 @@ def test_meter_counts_what_an_op_saves():
     y.sum().backward()
 
 
+class _Wrapper(torch.Tensor):
+    """A tensor subclass with no storage of its own, as a functional collective's result is
+    (AsyncCollectiveTensor, which lesson 11's sequence parallel saves for backward)."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.elem if isinstance(t, _Wrapper) else t  # noqa: E731
+        return func(*torch.utils._pytree.tree_map(unwrap, args),
+                    **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+def test_meter_counts_a_tensor_without_storage_of_its_own_by_its_size():
+    x = torch.ones(3, 4, requires_grad=True)
+    w = _Wrapper(torch.full((3, 4), 2.0))         # 48 bytes, and no valid storage to read
+    with memory.SavedTensorMeter() as meter:
+        y = x * w                                 # mul saves w, for x's gradient
+    assert (meter.bytes, meter.storages) == (48, 1)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((3, 4), 2.0))
+
+
 def test_meter_counts_a_tensor_saved_twice_once():
     x = torch.randn(100, requires_grad=True)
     with memory.SavedTensorMeter() as meter:

@@ -93,9 +93,10 @@ class SavedTensorMeter:
         local = local_tensor(t)
         try:
             storage = local.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a tensor without storage of its own
+            return (str(local.device), storage.data_ptr()), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (a
+            # wrapper such as a functional collective's AsyncCollectiveTensor): counted by itself
             return ("id", id(local)), local.numel() * local.element_size()
-        return (str(local.device), storage.data_ptr()), storage.nbytes()
 
     @staticmethod
     def _is_parameter(t: torch.Tensor) -> bool:
