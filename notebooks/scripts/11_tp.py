@@ -1,5 +1,6 @@
 """Lesson 11: lesson 06's MLP stack on several ranks: data parallel (DDP, FSDP), tensor parallel
-(each block's matrices split), or FSDP and tensor parallel together on a 2-D mesh.
+(each block's matrices split; with sequence parallel, the rows between them too), or FSDP and
+tensor parallel together on a 2-D mesh.
 
 Run it:  torchrun --standalone --nproc-per-node=2 scripts/11_tp.py --strategy tp
 """
@@ -12,15 +13,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labkit import comm, memory, metrics
 from labkit.models import MLPStack
 
 parser = argparse.ArgumentParser(description=__doc__)
-parser.add_argument("--strategy", choices=["none", "ddp", "fsdp", "tp", "fsdp+tp"], default="tp")
+parser.add_argument("--strategy", choices=["none", "ddp", "fsdp", "tp", "tp+sp", "fsdp+tp"], default="tp")
 parser.add_argument("--tp", type=int, default=2, help="fsdp+tp: ranks in a tensor-parallel group")
 parser.add_argument("--dim", type=int, default=256, help="width of the MLP stack")
 parser.add_argument("--depth", type=int, default=4, help="blocks in the MLP stack")
@@ -43,7 +45,7 @@ if torch.cuda.is_available():
     torch.cuda.set_device(device)
 else:
     device = torch.device("cpu")
-tp = {"none": 1, "ddp": 1, "fsdp": 1, "tp": world_size, "fsdp+tp": args.tp}[args.strategy]
+tp = {"none": 1, "ddp": 1, "fsdp": 1, "tp": world_size, "tp+sp": world_size, "fsdp+tp": args.tp}[args.strategy]
 dp = world_size // tp  # data-parallel ranks: each its own slice of the batch
 if args.strategy == "none" and world_size > 1:
     parser.error(f"--strategy none is one process, but WORLD_SIZE is {world_size}: launch 1 rank")
@@ -51,6 +53,8 @@ if dp * tp != world_size:
     parser.error(f"dp({dp}) * tp({tp}) != WORLD_SIZE({world_size}): --tp must divide the ranks")
 if 4 * args.dim % tp:
     parser.error(f"each block's hidden width 4*dim ({4 * args.dim}) must divide by tp ({tp})")
+if args.strategy == "tp+sp" and args.batch_size % tp:
+    parser.error(f"sequence parallel splits the batch's rows: --batch-size ({args.batch_size}) must divide by {tp}")
 if world_size > 1:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     # Rank r sits at row r // tp, column r % tp: the ranks of one row form a tensor-parallel
@@ -84,6 +88,10 @@ def batch(step: int):
 # (4*dim -> dim) split by its inputs, so each rank multiplies its slice into a partial sum
 # of the whole output, and one all-reduce adds the partial sums up.
 PLAN = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+# Sequence parallel (tp+sp): between the matrices each rank keeps its own rows only. fc1
+# gathers every row first; fc2 reduce-scatters, handing each rank its own rows, summed.
+SP_PLAN = {"norm": SequenceParallel(sequence_dim=0), "fc1": ColwiseParallel(input_layouts=Shard(0)),
+           "fc2": RowwiseParallel(output_layouts=Shard(0))}
 
 
 def build():
@@ -91,7 +99,12 @@ def build():
     model = MLPStack(dim=args.dim, depth=args.depth, in_features=args.dim).to(device)
     if tp > 1:  # tensor parallel first: its weights become DTensors sharded over "tp"...
         for block in model.blocks:
-            parallelize_module(block, mesh["tp"], PLAN)
+            parallelize_module(block, mesh["tp"], SP_PLAN if args.strategy == "tp+sp" else PLAN)
+    if args.strategy == "tp+sp":  # the stem hands each rank its own rows; the head gathers them all
+        parallelize_module(model.stem, mesh["tp"], PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(0)))
+        parallelize_module(model.head, mesh["tp"], PrepareModuleInput(
+            input_layouts=Shard(0), desired_input_layouts=Replicate(), use_local_output=True))
     if args.strategy in ("fsdp", "fsdp+tp"):  # ...then FSDP shards them again, over "dp"
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])
@@ -133,7 +146,8 @@ def save(name: str, tensors: dict) -> None:  # the whole tensors, gathered; rank
 for step in range(1, args.steps + 1):
     x, y = batch(step)
     bf16 = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)  # off: all float32
-    with comm.count_collectives() as forward, bf16:
+    saved = memory.SavedTensorMeter(exclude=model)  # the bytes autograd keeps for backward
+    with comm.count_collectives() as forward, bf16, saved:
         loss = F.cross_entropy(model(x), y)
     with comm.count_collectives() as backward:
         loss.backward()
@@ -142,7 +156,8 @@ for step in range(1, args.steps + 1):
     optimizer.step()
     if step == 1:  # gradients and momentum exist now: what does this rank hold?
         held = memory.model_bytes(model, optimizer)
-        metrics.log(step, param_bytes=held.params, grad_bytes=held.grads, optim_bytes=held.optimizer)
+        metrics.log(step, param_bytes=held.params, grad_bytes=held.grads, optim_bytes=held.optimizer,
+                    saved_bytes=saved.bytes)
     optimizer.zero_grad(set_to_none=True)
     metrics.log(step, loss=loss.item(), samples=len(x),
                 sent_bytes=forward.sent_bytes + backward.sent_bytes,
