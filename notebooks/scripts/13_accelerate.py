@@ -33,7 +33,7 @@ parser.add_argument("--save", default=None, help="rank 0 saves the trained weigh
 args = parser.parse_args()
 
 # --- the distributed part: Accelerate reads what torchrun set, picks the device and backend -
-# cpu=True where there is no GPU: else every rank trains alone (the pitfall at the end).
+# cpu=True where there is no GPU: else every rank thinks it is rank 0 of 1 (the pitfall at the end).
 accelerator = Accelerator(cpu=not torch.cuda.is_available())  # makes the process group
 rank = accelerator.process_index
 world_size = accelerator.num_processes
@@ -107,6 +107,6 @@ for epoch in range(args.epochs):
         print(f"epoch {epoch}: {step} steps, last loss {mean_loss.item():.3f} (mean of ranks), "
               f"test accuracy {accuracy:.1%}, {time.perf_counter() - epoch_start:.1f} s")
 
-if args.save:  # one write per machine, from its main process; the model unwrapped from DDP
+if args.save:  # one write, from rank 0; the model unwrapped from DDP
     accelerator.save(accelerator.unwrap_model(model).state_dict(), args.save)
 accelerator.end_training()  # destroys the process group
