@@ -209,11 +209,11 @@ def prune(folder, *, keep: int) -> list[Path]:
 
     Example (lesson 05)::
 
-        checkpoint.prune(args.ckpt_dir, keep=2)   # the newest two: one survives a crash mid-save
+        checkpoint.prune(args.ckpt_dir, keep=2)   # the newest two: a fallback if the newest is damaged
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an int >= 1, got {keep!r}. "
-                         f"HINT: keep=2 survives a crash during the next save.")
+                         f"HINT: keep=2 leaves a fallback if the newest file is damaged.")
     old = [path for _, path in _complete_files(_check_folder(folder))[:-keep]]
     for path in old:
         path.unlink(missing_ok=True)

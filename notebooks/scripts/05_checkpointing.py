@@ -1,7 +1,8 @@
 """Lesson 05: lesson 02's DDP loop, made to save its whole state and resume exactly.
 
 Run it:  torchrun --standalone --nproc-per-node=2 scripts/05_checkpointing.py --synthetic --epochs 2
-Fault drill: add --crash-at-step 30 and torchrun's --max-restarts=1; the restarted job resumes.
+Fault drill: add --ckpt-every 20 --crash-at-step 30 and torchrun's --max-restarts=1; the
+restarted job resumes from step 20.
 """
 import argparse
 import os
@@ -83,7 +84,7 @@ sampler = ResumableSampler(data.train, num_replicas=world_size, rank=rank, shuff
 # worker processes prepare the next batches while this one trains.
 pin = device.type == "cuda"
 # Each loader gets its own generator: starting an iterator draws a seed from it, and a resumed
-# run starts other iterators than the uninterrupted run did (one more training epoch, one
+# run starts other iterators than the uninterrupted run did (one more training iterator, one
 # evaluation fewer), which would shift every random number drawn after them.
 train_loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, drop_last=True,
                           num_workers=args.workers, persistent_workers=args.workers > 0,
@@ -144,7 +145,7 @@ def save_checkpoint(step: int, epoch: int, batch_in_epoch: int) -> None:
                  "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                  "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "rng": rngs}
         checkpoint.save_atomic(state, checkpoint.step_path(args.ckpt_dir, step))
-        checkpoint.prune(args.ckpt_dir, keep=2)  # the newest two: one survives a crash mid-save
+        checkpoint.prune(args.ckpt_dir, keep=2)  # the newest two: a fallback if the newest is damaged
     if ddp:
         dist.barrier()  # no rank goes on until the checkpoint is complete on disk
 

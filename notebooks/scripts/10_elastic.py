@@ -150,7 +150,7 @@ def save_checkpoint(step: int, epoch: int, batch_in_epoch: int) -> None:
                  "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch}
         checkpoint.save_atomic(state, checkpoint.step_path(args.ckpt_dir, step))
         metrics.log(step, checkpoint_saved=step)
-        checkpoint.prune(args.ckpt_dir, keep=2)  # the newest two: one survives a crash mid-save
+        checkpoint.prune(args.ckpt_dir, keep=2)  # the newest two: a fallback if the newest is damaged
     # Every rank's lines up to this step reach the disk with the checkpoint: a node killed
     # later loses only lines of steps the next round does again.
     metrics.flush()
