@@ -77,7 +77,9 @@ pin = device.type == "cuda"
 train_loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, drop_last=True,
                           num_workers=args.workers, persistent_workers=args.workers > 0,
                           pin_memory=pin)
-test_shard = Subset(data.test, range(rank, len(data.test), world_size))  # no padding, no overlap
+# The same number of test images on every rank (the last few left out): under FSDP every
+# forward all-gathers, so a rank with one batch more would wait for the others for ever.
+test_shard = Subset(data.test, range(rank, len(data.test) // world_size * world_size, world_size))
 test_loader = DataLoader(test_shard, batch_size=256, num_workers=args.workers, pin_memory=pin)
 
 
