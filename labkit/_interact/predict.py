@@ -167,8 +167,8 @@ class Prediction:
 
         Raises:
             ValueError: ``measured`` is not a finite number, ``why`` not a string, ``source`` not
-                a non-empty string, or ``run`` is
-                not a run or sweep folder (nothing is printed or kept then).
+                a non-empty string, or ``run`` is not a run or sweep folder (nothing is printed
+                or kept then).
 
         Example (lesson 02)::
 
