@@ -119,6 +119,14 @@ def test_a_run_is_read_back_stage_by_stage():
     assert abs(labkit.measured_bubble(events) - ideal) < 1e-9   # replayed times: no waits
 
 
+def test_what_a_stage_held_is_read_back_where_it_was_logged():
+    logged = _logged(2, 4, "gpipe")
+    logged["held"] = [float(i) for i in range(len(logged))]
+    events = labkit.schedule_events(logged)
+    assert list(events.columns) == ["rank", "phase", "microbatch", "start", "end", "held"]
+    assert events["held"].dtype.kind == "i" and len(events) == 2 * 2 * 4
+
+
 def test_work_that_starts_before_its_input_is_named():
     [found] = labkit.early_starts(labkit.schedule_events(_logged(2, 4, "gpipe", late=True)))
     assert found.startswith("stage 1 started F of micro-batch 0 at") and "before stage 0 finished F" in found

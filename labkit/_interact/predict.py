@@ -186,7 +186,7 @@ class Prediction:
             guesses.keep(folder, graded)
         return graded
 
-    def _graded(self, measured: float, why: str, source: str = "measured") -> Grade:
+    def _graded(self, measured: float, why: str, source: str) -> Grade:
         guess, unreadable = _read(self._box.value) if self._box is not None else (self._guess, "")
         said = amount(measured, self.unit)
         if guess is None:

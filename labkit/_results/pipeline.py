@@ -147,15 +147,16 @@ def schedule_events(run, step: int | None = None):
     """What each stage logged about its work in one step: one row per forward or backward.
 
     The lesson's pipeline script logs ``phase`` ("F"/"B"), ``microbatch``, ``start`` and ``end``
-    (wall-clock seconds) for every piece of work.
+    (wall-clock seconds) for every piece of work, and ``held``: the micro-batches the stage keeps
+    for backward once that piece is done (PyTorch's ``stage.fwd_cache``).
 
     Args:
         run: a ``Run`` (or its ``run.metrics()`` DataFrame).
         step: the step to read (default: the last one logged).
 
     Returns:
-        a DataFrame with columns rank, phase, microbatch, start, end; times in ms from the
-        step's first start; sorted by rank, then start.
+        a DataFrame with columns rank, phase, microbatch, start, end (and held, where the run
+        logged it); times in ms from the step's first start; sorted by rank, then start.
 
     Raises:
         ValueError: the run logged no ``phase``, or nothing at ``step``.
@@ -170,13 +171,16 @@ def schedule_events(run, step: int | None = None):
                          "metrics.log(step, phase=..., microbatch=..., start=..., end=...) for each piece.")
     df = df.dropna(subset=["phase"])
     step = int(df["step"].max()) if step is None else step
-    events = df[df["step"] == step][["rank", "phase", "microbatch", "start", "end"]].copy()
+    columns = ["rank", "phase", "microbatch", "start", "end"] + (["held"] if "held" in df.columns else [])
+    events = df[df["step"] == step][columns].copy()
     if events.empty:
         raise ValueError(f"no pipeline work logged at step {step}; steps logged: "
                          f"{sorted(int(s) for s in df['step'].unique())}")
     events[["start", "end"]] = (events[["start", "end"]] - events["start"].min()) * 1e3
     events["microbatch"] = events["microbatch"].astype(int)
     events["rank"] = events["rank"].astype(int)
+    if "held" in events.columns:
+        events["held"] = events["held"].astype(int)
     return events.sort_values(["rank", "start"]).reset_index(drop=True)
 
 

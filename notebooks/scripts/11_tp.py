@@ -5,6 +5,7 @@ tensor parallel together on a 2-D mesh.
 Run it:  torchrun --standalone --nproc-per-node=2 scripts/11_tp.py --strategy tp
 """
 import argparse
+import contextlib
 import logging
 import os
 
@@ -146,7 +147,8 @@ def save(name: str, tensors: dict) -> None:  # the whole tensors, gathered; rank
 for step in range(1, args.steps + 1):
     x, y = batch(step)
     bf16 = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)  # off: all float32
-    saved = memory.SavedTensorMeter(exclude=model)  # the bytes autograd keeps for backward
+    # step 1: the bytes autograd keeps for backward (measured once; later steps keep the same)
+    saved = memory.SavedTensorMeter(exclude=model) if step == 1 else contextlib.nullcontext()
     with comm.count_collectives() as forward, bf16, saved:
         loss = F.cross_entropy(model(x), y)
     with comm.count_collectives() as backward:
