@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.nn import functional as F
 from torch.utils.data import Dataset, Subset
 
@@ -153,8 +154,10 @@ def get_datasets(data_dir: str | os.PathLike = "data", *, synthetic: bool = Fals
                  augment: bool = True) -> DataSets:
     """CIFAR-10 if on disk (or downloadable), else the synthetic set; always says which.
 
-    Under ``torchrun``, call it after ``init_process_group``: rank 0 downloads
-    while the others wait at a barrier, so they never write the same files.
+    Under ``torchrun``, call it after ``init_process_group``: every rank gets the same
+    set. Rank 0 downloads while the others wait; a node that still sees no files (no
+    shared storage) downloads on its local rank 0. If a rank still lacks CIFAR-10,
+    all take the synthetic set, and the description names the ranks without it.
 
     Args:
         data_dir: where CIFAR-10 is, or goes.
@@ -169,20 +172,17 @@ def get_datasets(data_dir: str | os.PathLike = "data", *, synthetic: bool = Fals
         DataSets(train, test, source, description).
     """
     root = Path(data_dir)
-    reason = "the script asked for it (synthetic=True, e.g. --synthetic)" if synthetic else None
-    if not synthetic and not cifar10_on_disk(root):
-        if not download:
-            reason = f"CIFAR-10 is not in {root} and download=False"
-        else:
-            import torch.distributed as dist
-
-            shared = dist.is_available() and dist.is_initialized()
-            first = not shared or dist.get_rank() == 0
-            failure = _try_download(root) if first else None
-            if shared:
-                dist.barrier()  # the others wait for rank 0's download
-            if not cifar10_on_disk(root):
-                reason = f"CIFAR-10 could not be downloaded ({failure or 'see rank 0'})"
+    if synthetic:
+        reason = "the script asked for it (synthetic=True, e.g. --synthetic)"
+    elif dist.is_available() and dist.is_initialized():
+        reason = _everyone_has_cifar10(root, download)
+    elif cifar10_on_disk(root):
+        reason = None
+    elif not download:
+        reason = f"CIFAR-10 is not in {root} and download=False"
+    else:
+        failure = _try_download(root)
+        reason = f"CIFAR-10 could not be downloaded ({failure})" if failure else None
     if reason is None:
         import torchvision.transforms as T
 
@@ -201,6 +201,42 @@ def get_datasets(data_dir: str | os.PathLike = "data", *, synthetic: bool = Fals
     return _noted(DataSets(train, test, "synthetic",
                            f"data: synthetic CIFAR-like set, seed {seed} ({_sizes(train, test)}), "
                            f"because {reason}"))
+
+
+def _everyone_has_cifar10(root: Path, download: bool) -> str | None:
+    """Under a process group: None when every rank sees CIFAR-10 in ``root``, downloading it where
+    missing (rank 0 first, then each node's local rank 0), else why not. Each step is decided from
+    gathered answers, so every rank makes the same collective calls and takes the same set."""
+    first = dist.get_rank() == 0 and download and not cifar10_on_disk(root)
+    failure = _try_download(root) if first else None
+    have = _everyone(lambda: cifar10_on_disk(root))
+    if download and have[0] and not all(have):  # a node without shared storage: it fetches its own
+        if os.environ.get("LOCAL_RANK", "0") == "0" and not cifar10_on_disk(root):
+            _try_download(root)
+        have = _everyone(lambda: cifar10_on_disk(root))
+    if all(have):
+        return None
+    if not any(have):
+        return (f"CIFAR-10 could not be downloaded ({failure or 'see rank 0'})" if download else
+                f"CIFAR-10 is not in {root} and download=False")
+    missing = ", ".join(str(rank) for rank, has in enumerate(have) if not has)
+    why = f"the download failed: {failure}" if failure else "the download there failed" if download else "download=False"
+    return (f"CIFAR-10 is not in {root} on rank(s) {missing} ({why}), and every rank must train on "
+            f"the same set. HINT: put data_dir on storage that every node sees")
+
+
+def _everyone(check) -> list[bool]:
+    """Every rank's answer to ``check()``, in rank order, on the group's device."""
+    device = "cpu" if "gloo" in str(dist.get_backend()) else torch.device("cuda", torch.cuda.current_device())
+
+    def gather(value: int) -> list[bool]:
+        mine = torch.tensor([value], device=device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        return [bool(answer.item()) for answer in every]
+
+    gather(0)  # a barrier first: the check waits for a download that another rank began
+    return gather(int(check()))
 
 
 def _sizes(train, test) -> str:

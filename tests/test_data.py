@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
+import labkit
 from labkit.data import SyntheticCIFAR, get_datasets
 
 
@@ -105,6 +108,82 @@ def test_under_a_launch_rank_0_notes_the_data_in_the_run_folder(tmp_path, monkey
     note = json.loads((run_dir / "data.json").read_text())
     assert "download=False" in note["description"] and "5 test images" in note["description"]
     assert (note["train_size"], note["test_size"]) == (8, 5), "lesson 01 reads the test-set size here"
+
+
+# Four cases, one launch: two nodes of two ranks, each node with a disk of its own ("own0", "own1")
+# beside one both see ("shared"). The download is the stand-in's, and counted.
+EVERY_RANK_THE_SAME_SET = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import torch
+import torch.distributed as dist
+import torchvision.datasets.cifar as cifar
+from labkit import data
+from test_data import _stand_in_cifar
+
+cifar.check_integrity = lambda *args, **kwargs: True  # the stand-in has no real md5s
+tried = []
+
+def download(root, works):  # what torchvision's download leaves, without the network
+    tried.append(str(root))
+    if not works:
+        return "URLError: no network here"
+    _stand_in_cifar(Path(root))
+
+if torch.cuda.is_available():  # NCCL gathers on the GPU: the group's device must be right
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+rank, node = dist.get_rank(), os.environ["GROUP_RANK"]
+if rank == 0:
+    _stand_in_cifar(Path("copy0"))  # node 0's disk has a copy (before get_datasets), node 1's none
+for case, root, download_ok, allowed in [("shared", "shared", True, True), ("own", f"own{{node}}", True, True),
+                                         ("copy", f"copy{{node}}", True, False), ("offline", f"off{{node}}", False, True)]:
+    tried.clear()
+    data._try_download = lambda root, works=download_ok: download(root, works)
+    sets = data.get_datasets(root, download=allowed, train_size=8, test_size=4)
+    print(f"{{case}}: {{sets.source}}, downloaded {{tried}}", flush=True)
+    if rank == 0:
+        print(f"{{case}} says {{sets.description}}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.launch
+def test_every_rank_gets_the_same_set_on_nodes_with_disks_of_their_own(workdir, write_script):
+    """Before, rank 0 alone downloaded and each rank then looked at its own disk: a node without
+    shared storage trained on the synthetic set beside nodes on CIFAR-10, and said so nowhere
+    rank 0 printed. Now rank 0 downloads first (once, for storage every node shares), a node that
+    still sees nothing downloads on its local rank 0, and if any rank still lacks the files every
+    rank takes the synthetic set, named by rank 0. Two nodes of two: local rank 1 must not fetch."""
+    write_script("sets.py", EVERY_RANK_THE_SAME_SET.format(tests=str(Path(__file__).parent)))
+    run = labkit.launch("sets.py", nproc=2, nnodes=2, device="cpu", timeout_s=180, quiet=True)
+    said = {rank: run.output(rank) for rank in range(4)}
+    expected = {  # case: (the set every rank takes, the folders each rank downloaded into)
+        "shared": ("CIFAR-10", [["shared"], [], [], []]),
+        "own": ("CIFAR-10", [["own0"], [], ["own1"], []]),
+        "copy": ("synthetic", [[], [], [], []]),
+        "offline": ("synthetic", [["off0"], [], [], []]),
+    }
+    for case, (source, downloads) in expected.items():
+        for rank, folders in enumerate(downloads):
+            assert f"{case}: {source}, downloaded {folders}" in said[rank], (case, rank, said[rank])
+    assert "copy says data: synthetic" in said[0] and "on rank(s) 2, 3 (download=False)" in said[0]
+    assert "offline says data: synthetic" in said[0] and "could not be downloaded (URLError: no network" in said[0]
+    assert "HINT: put data_dir on storage that every node sees" in said[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.launch
+def test_the_ranks_agree_over_nccl(workdir, write_script):
+    """The same cases on one GPU rank under NCCL, whose gathers need tensors on the rank's GPU
+    (on one rank, node 0's copy is every rank's: that case reads CIFAR-10)."""
+    write_script("sets.py", EVERY_RANK_THE_SAME_SET.format(tests=str(Path(__file__).parent)))
+    run = labkit.launch("sets.py", nproc=1, timeout_s=180, quiet=True)
+    said = run.output(0)
+    for line in ["shared: CIFAR-10, downloaded ['shared']", "own: CIFAR-10, downloaded ['own0']",
+                 "copy: CIFAR-10, downloaded []", "offline: synthetic, downloaded ['off0']"]:
+        assert line in said, said
 
 
 # -- token sequences for lesson 14's language model ---------------------------------------------
