@@ -1,6 +1,6 @@
 """Lesson 14: PyTorch's own context parallel, on GPUs. Inside `context_parallel` every rank keeps
-a zig-zag share of q, k and v, and scaled_dot_product_attention runs as ring attention: once in
-fp32, once in bf16 with the flash-attention kernel (the one long-context training uses).
+a zig-zag share of q, k and v, and scaled_dot_product_attention runs as ring attention (keys and
+values by all-gather, the default): in fp32, then in bf16 with the flash-attention kernel.
 
 Run it:  torchrun --standalone --nproc-per-node=2 scripts/14_cp_api.py
 """
