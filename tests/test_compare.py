@@ -64,7 +64,7 @@ def test_agreeing_runs_pass_and_print_each_tolerance(tmp_path, capsys):
     assert printed[0] == "✓ first 2 windows: gap ≤ 5.0e-05 (tolerance 0.0001)"
     assert printed[1] == ("✓ whole run (2 epochs): each epoch's mean loss off the reference's by at "
                           "most 0.29% of its first-epoch loss (tolerance 5%); the largest "
-                          "single-window gap was 0.010")
+                          "single-window gap was 1.0e-02")
     assert printed[2] == "✓ whole run (4 windows): gap ≤ 1.0e-02 (tolerance 0.05)"
 
 
@@ -79,6 +79,9 @@ def test_epoch_gaps_are_shares_of_the_first_epochs_loss(tmp_path):
     stalled = two_ranks(tmp_path, [2.0, 1.5, 1.5, 1.5], epochs=epochs, name="stalled")
     with pytest.raises(AssertionError, match=r"off the reference's by 80.00% of"):
         labkit.compare_losses(stalled, ref, epoch_tol=0.05).check()
+    close = two_ranks(tmp_path, [2.0, 1.5, 0.1 + 2e-5, 0.1], epochs=epochs, name="close")
+    line = labkit.compare_losses(close, ref, epoch_tol=0.05).lines()[1]
+    assert "at most 0.00057% of" in line and "gap was 2.0e-05" in line, line  # not "0.00%", "0.000"
 
 
 def test_a_label_prefixes_every_line(tmp_path):

@@ -111,9 +111,9 @@ class LossComparison:
                        f"(tolerance {self.early_tol:g})")
         if self.epoch_tol is not None:
             out.append(f"✓ {self._prefix()}whole run ({len(self.epoch_gap)} epochs): each epoch's "
-                       f"mean loss off the reference's by at most {self.epoch_gap.max():.2%} of its "
-                       f"first-epoch loss (tolerance {self.epoch_tol:.0%}); the largest single-window "
-                       f"gap was {self.gap.max():.3f}")
+                       f"mean loss off the reference's by at most {self.epoch_gap.max() * 100:.2g}% of "
+                       f"its first-epoch loss (tolerance {self.epoch_tol:.0%}); the largest single-window "
+                       f"gap was {self.gap.max():.1e}")  # .2g and .1e: a gap of 1e-5 is not "0.00%"
         if self.window_tol is not None:
             out.append(f"✓ {self._prefix()}whole run ({len(self.gap)} windows): gap ≤ "
                        f"{self.gap.max():.1e} (tolerance {self.window_tol:g})")

@@ -125,7 +125,7 @@ for epoch in range(args.epochs):
     accuracy = evaluate()
     mean_loss = loss.detach().clone()
     if ddp:
-        dist.all_reduce(mean_loss)  # a sum (gloo has no average)...
+        dist.all_reduce(mean_loss)  # a sum (older gloo has no average)...
         mean_loss /= world_size     # ...so divide by the number of ranks
     metrics.log(step, test_acc=accuracy, epoch=epoch)
     if master:
