@@ -19,11 +19,16 @@ a seed, as many and as long as asked, with structure at every distance a model c
 
     from labkit.data import synthetic_tokens
     tokens = synthetic_tokens(8, 129, vocab=64, seed=step)   # inputs tokens[:, :-1], targets tokens[:, 1:]
+
+Longer than the usual module on purpose: lesson scripts import both data sets from this one public
+module, and CIFAR-10's download under a process group (every rank's collectives in step) reads
+best whole, beside the function that calls it.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,25 +125,36 @@ def _render(patterns: torch.Tensor, labels: torch.Tensor, gen: torch.Generator) 
     return ((x * 0.22 + 0.48).clamp(0, 1) * 255).round().to(torch.uint8)
 
 
+CIFAR_FOLDER = "cifar-10-batches-py"
+CIFAR_FILES = (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batches.meta")
+
+
 def cifar10_on_disk(data_dir: str | os.PathLike = "data") -> bool:
-    """True when torchvision's CIFAR-10 files are in ``data_dir`` (``labkit.doctor`` asks too)."""
-    return (Path(data_dir) / "cifar-10-batches-py" / "data_batch_1").is_file()
+    """True when all of torchvision's CIFAR-10 files are in ``data_dir`` (``labkit.doctor`` asks too)."""
+    return all((Path(data_dir) / CIFAR_FOLDER / name).is_file() for name in CIFAR_FILES)
 
 
-def _try_download(root: Path) -> str | None:
-    """Download CIFAR-10 into ``root``; None on success, else why it failed."""
-    import torchvision
-
+def _try_download(root: Path, *, aside: bool = False) -> str | None:
+    """Download CIFAR-10 into ``root``; None on success, else why it failed. ``aside``: into a
+    folder of this process's own first, then moved into place whole, so that nodes which share
+    ``root`` but did not yet see each other's files never write the same ones."""
     previous = socket.getdefaulttimeout()
     socket.setdefaulttimeout(20)
+    target = root / f".download-{socket.gethostname()}-{os.getpid()}" if aside else root
     try:
-        torchvision.datasets.CIFAR10(str(root), train=True, download=True)
-        torchvision.datasets.CIFAR10(str(root), train=False, download=True)
+        import torchvision
+
+        torchvision.datasets.CIFAR10(str(target), train=True, download=True)
+        torchvision.datasets.CIFAR10(str(target), train=False, download=True)
+        if aside and not cifar10_on_disk(root):  # another node's copy may have landed meanwhile
+            os.replace(target / CIFAR_FOLDER, root / CIFAR_FOLDER)
         return None
     except Exception as err:  # noqa: BLE001 - any failure means: use the synthetic set
         return f"{type(err).__name__}: {err}"
     finally:
         socket.setdefaulttimeout(previous)
+        if aside:
+            shutil.rmtree(target, ignore_errors=True)
 
 
 def _first(dataset: Dataset, size: int | None, seed: int) -> Dataset:
@@ -212,7 +228,9 @@ def _everyone_has_cifar10(root: Path, download: bool) -> str | None:
     have = _everyone(lambda: cifar10_on_disk(root))
     if download and have[0] and not all(have):  # a node without shared storage: it fetches its own
         if os.environ.get("LOCAL_RANK", "0") == "0" and not cifar10_on_disk(root):
-            _try_download(root)
+            failure = _try_download(root, aside=True)
+            if failure:  # only rank 0 prints the data line: say it here, on the rank it happened
+                print(f"rank {dist.get_rank()}: CIFAR-10 could not be downloaded ({failure})", flush=True)
         have = _everyone(lambda: cifar10_on_disk(root))
     if all(have):
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 
@@ -110,6 +111,26 @@ def test_under_a_launch_rank_0_notes_the_data_in_the_run_folder(tmp_path, monkey
     assert (note["train_size"], note["test_size"]) == (8, 5), "lesson 01 reads the test-set size here"
 
 
+def test_a_download_aside_is_moved_into_place_whole(tmp_path, monkeypatch):
+    """A node's own download goes to a folder of its own, then into place in one rename; where
+    another node's copy landed meanwhile, that copy stays and the spare one is removed."""
+    import torchvision
+
+    from labkit import data
+
+    def fake_cifar10(root, train, download):  # what torchvision leaves: the folder, whole
+        if not data.cifar10_on_disk(root):
+            _stand_in_cifar(Path(root))
+
+    monkeypatch.setattr(torchvision.datasets, "CIFAR10", fake_cifar10)
+    assert data._try_download(tmp_path / "data", aside=True) is None
+    assert data.cifar10_on_disk(tmp_path / "data") and os.listdir(tmp_path / "data") == ["cifar-10-batches-py"]
+    marker = tmp_path / "data" / "cifar-10-batches-py" / "batches.meta"
+    before = marker.stat().st_mtime_ns
+    assert data._try_download(tmp_path / "data", aside=True) is None  # another node's copy is there
+    assert marker.stat().st_mtime_ns == before and os.listdir(tmp_path / "data") == ["cifar-10-batches-py"]
+
+
 # Four cases, one launch: two nodes of two ranks, each node with a disk of its own ("own0", "own1")
 # beside one both see ("shared"). The download is the stand-in's, and counted.
 EVERY_RANK_THE_SAME_SET = """
@@ -125,8 +146,8 @@ from test_data import _stand_in_cifar
 cifar.check_integrity = lambda *args, **kwargs: True  # the stand-in has no real md5s
 tried = []
 
-def download(root, works):  # what torchvision's download leaves, without the network
-    tried.append(str(root))
+def download(root, works, aside=False):  # what torchvision's download leaves, without the network
+    tried.append(str(root) + (" aside" if aside else ""))
     if not works:
         return "URLError: no network here"
     _stand_in_cifar(Path(root))
@@ -140,7 +161,7 @@ if rank == 0:
 for case, root, download_ok, allowed in [("shared", "shared", True, True), ("own", f"own{{node}}", True, True),
                                          ("copy", f"copy{{node}}", True, False), ("offline", f"off{{node}}", False, True)]:
     tried.clear()
-    data._try_download = lambda root, works=download_ok: download(root, works)
+    data._try_download = lambda root, aside=False, works=download_ok: download(root, works, aside)
     sets = data.get_datasets(root, download=allowed, train_size=8, test_size=4)
     print(f"{{case}}: {{sets.source}}, downloaded {{tried}}", flush=True)
     if rank == 0:
@@ -161,7 +182,7 @@ def test_every_rank_gets_the_same_set_on_nodes_with_disks_of_their_own(workdir, 
     said = {rank: run.output(rank) for rank in range(4)}
     expected = {  # case: (the set every rank takes, the folders each rank downloaded into)
         "shared": ("CIFAR-10", [["shared"], [], [], []]),
-        "own": ("CIFAR-10", [["own0"], [], ["own1"], []]),
+        "own": ("CIFAR-10", [["own0"], [], ["own1 aside"], []]),  # aside: moved into place whole
         "copy": ("synthetic", [[], [], [], []]),
         "offline": ("synthetic", [["off0"], [], [], []]),
     }
@@ -176,14 +197,20 @@ def test_every_rank_gets_the_same_set_on_nodes_with_disks_of_their_own(workdir, 
 @pytest.mark.gpu
 @pytest.mark.launch
 def test_the_ranks_agree_over_nccl(workdir, write_script):
-    """The same cases on one GPU rank under NCCL, whose gathers need tensors on the rank's GPU
-    (on one rank, node 0's copy is every rank's: that case reads CIFAR-10)."""
+    """The same cases under NCCL, whose gathers need tensors on each rank's own GPU: two ranks
+    where two GPUs are visible, else one. On one node every rank sees node 0's folders, so rank 0
+    alone downloads and the copy on node 0 is every rank's."""
+    from labkit import _hardware
+
+    ranks = min(2, _hardware.gpu_count())
     write_script("sets.py", EVERY_RANK_THE_SAME_SET.format(tests=str(Path(__file__).parent)))
-    run = labkit.launch("sets.py", nproc=1, timeout_s=180, quiet=True)
-    said = run.output(0)
-    for line in ["shared: CIFAR-10, downloaded ['shared']", "own: CIFAR-10, downloaded ['own0']",
-                 "copy: CIFAR-10, downloaded []", "offline: synthetic, downloaded ['off0']"]:
-        assert line in said, said
+    run = labkit.launch("sets.py", nproc=ranks, timeout_s=180, quiet=True)
+    expected = {"shared": ("CIFAR-10", ["shared"]), "own": ("CIFAR-10", ["own0"]),
+                "copy": ("CIFAR-10", []), "offline": ("synthetic", ["off0"])}
+    for rank in range(ranks):
+        for case, (source, folders) in expected.items():
+            line = f"{case}: {source}, downloaded {folders if rank == 0 else []}"
+            assert line in run.output(rank), (rank, run.output(rank))
 
 
 # -- token sequences for lesson 14's language model ---------------------------------------------

@@ -28,9 +28,21 @@ def test_report_on_a_machine_without_gpus(monkeypatch, tmp_path):
     assert "✓ PyTorch" in str(report)
 
 
+def _cifar_files(data_dir):
+    """torchvision's CIFAR-10 file names in data_dir (contents do not matter to the doctor)."""
+    from labkit.data import CIFAR_FILES, CIFAR_FOLDER
+
+    (data_dir / CIFAR_FOLDER).mkdir(parents=True)
+    for name in CIFAR_FILES:
+        (data_dir / CIFAR_FOLDER / name).write_bytes(b"x")
+
+
 def test_cifar_on_disk_is_reported(tmp_path):
-    (tmp_path / "cifar-10-batches-py").mkdir()
-    (tmp_path / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"x")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "cifar-10-batches-py").mkdir()
+    (tmp_path / "half" / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"x")  # extraction cut short
+    assert labkit.doctor(data_dir=tmp_path / "half").dataset != "CIFAR-10"
+    _cifar_files(tmp_path)
     assert labkit.doctor(data_dir=tmp_path).dataset == "CIFAR-10"
 
 
@@ -76,8 +88,7 @@ def test_by_default_cifar_is_looked_for_where_the_lessons_keep_it(monkeypatch, t
 
     monkeypatch.chdir(tmp_path)  # e.g. `make doctor` at the course's root
     lessons = tmp_path / "course"
-    (lessons / "notebooks" / "data" / "cifar-10-batches-py").mkdir(parents=True)
-    (lessons / "notebooks" / "data" / "cifar-10-batches-py" / "data_batch_1").write_bytes(b"x")
+    _cifar_files(lessons / "notebooks" / "data")
     monkeypatch.setattr(_doctor, "_REPO", lessons)
     report = labkit.doctor()
     assert report.dataset == "CIFAR-10" and "notebooks/data" in report["data"].value
