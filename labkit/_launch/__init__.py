@@ -5,6 +5,7 @@ Owns, in the order a launch uses them:
     keywords    a wrong or old keyword gets a did-you-mean (``timeout`` -> ``timeout_s``)
     command     the torchrun command of each agent, the ranks' environment, run.json's facts
     agents      the torchrun agents of a launch (one per node), started, watched, stopped
+    forked      an agent started warm from ``labkit._rank.agent_server`` (torch already loaded)
     elastic     agents that may be killed and added while the job trains (``min_nodes``)
     procs       which ranks still run, their children, signals to a tree (psutil)
     launch      ``launch``: the steps, and the poll loop

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from labkit._launch import procs
+from labkit._launch import forked, procs
 from labkit._rank import agent
 #: Seconds the other agents get, after one failed, to stop on their own (an agent whose ranks
 #: have all ended gets none: it can only wait, see ``Agents.running``).
@@ -66,7 +66,7 @@ class Agents:
 
     def __init__(self, argvs: list[list[str]], envs: list[dict], logs: list[Path]):
         self.argvs, self.envs, self.logs = argvs, envs, logs
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | forked.ForkedAgent] = []
         self.failed_at: float | None = None
         self.killed: set[int] = set()  # nodes killed on purpose (lesson 10's drill): no failure
 
@@ -78,10 +78,15 @@ class Agents:
             self.procs.append(self._spawn(argv, env, log_path))
 
     @staticmethod
-    def _spawn(argv: list[str], env: dict, log_path: Path) -> subprocess.Popen:
-        """One agent, in a session of its own, its output appended to ``log_path``."""
-        with open(log_path, "ab") as log:  # each agent dies with the kernel (labkit._rank.agent)
-            return subprocess.Popen(agent.command(argv), stdin=subprocess.DEVNULL, stdout=log,
+    def _spawn(argv: list[str], env: dict, log_path: Path) -> subprocess.Popen | forked.ForkedAgent:
+        """One agent, in a session of its own, its output appended to ``log_path``: forked warm
+        (``labkit._launch.forked``) where it can be, else a new process."""
+        command = agent.command(argv)  # each agent dies with the kernel (labkit._rank.agent)
+        warm = forked.start(command, env, log_path)
+        if warm is not None:
+            return warm
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     @property

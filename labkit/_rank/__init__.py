@@ -5,6 +5,8 @@ Owns:
                thread, error file, then the script as ``__main__``
     sigterm    a rank's SIGTERM: its last metrics lines kept, a rank already ending left to end
     agent      a torchrun agent that dies with its kernel (``python -m labkit._rank.agent``)
+    agent_server  one per launching kernel: imports torch once, then forks each agent warm
+               (``python -m labkit._rank.agent_server``; Linux)
     proc       process tokens: is a pid still the process it was (the launcher, a rank)?
     layout     which node and local rank a rank is, written to the run folder (several nodes)
     selftest   the tiny all-reduce script ``labkit.doctor(launch=True)`` launches (a script,
