@@ -146,3 +146,17 @@ def test_an_agent_that_died_with_its_server_reads_as_killed():
     started = forked.ForkedAgent(Gone(), child.pid)
     assert started.poll() == -signal.SIGKILL
     assert not proc.is_same_process(child.pid, started.token)
+
+
+def test_an_interrupt_while_waiting_for_the_server_takes_the_server_down(workdir, monkeypatch):
+    """Ctrl-C before the server said which agent it started: the server dies, so that no agent
+    it forks later runs unwatched."""
+    server = forked._Server(dict(os.environ))
+
+    def interrupted(timeout_s=0.0):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server, "read", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.start(["--standalone", "--nproc-per-node=1", "x.py"], dict(os.environ), workdir / "a.log")
+    assert not server.alive()

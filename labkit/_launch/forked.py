@@ -59,12 +59,22 @@ class _Server:
         self.exits: dict[int, int] = {}
         self._started: list[int] = []
         self._buffer = b""
+        self._reading = threading.Lock()   # the live view's thread may poll as the launch does
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def close(self) -> None:
+        """Kill the server, and with it (the parent-death signal) every agent it started."""
+        self.proc.kill()
+        self.proc.wait()
+
     def read(self, timeout_s: float = 0.0) -> None:
         """Take in what the server has said, waiting up to ``timeout_s`` for its first word."""
+        with self._reading:
+            self._read(timeout_s)
+
+    def _read(self, timeout_s: float) -> None:
         fd = self.proc.stdout.fileno()
         while select.select([fd], [], [], timeout_s)[0]:
             chunk = os.read(fd, 1 << 16)
@@ -89,11 +99,14 @@ class _Server:
         except (BrokenPipeError, OSError):
             return None
         deadline = time.monotonic() + _ANSWER_S
-        while not self._started and self.alive() and time.monotonic() < deadline:
-            self.read(timeout_s=0.1)
+        try:
+            while not self._started and self.alive() and time.monotonic() < deadline:
+                self.read(timeout_s=0.1)
+        except BaseException:  # interrupted: an agent forked later would run unwatched
+            self.close()
+            raise
         if not self._started:  # never to fork it later: a second agent beside the plain one
-            self.proc.kill()
-            self.proc.wait()
+            self.close()
             return None
         pid = self._started.pop(0)
         self.running.add(pid)
@@ -163,8 +176,7 @@ def start(argv: list[str], env: dict | None, log) -> "ForkedAgent | None":
         if server is not None and server.alive() and server.loaded_with != _read_at_load(env):
             if server.running:
                 return None
-            server.proc.kill()   # idle, and loaded with other variables: replace it
-            server.proc.wait()
+            server.close()   # idle, and loaded with other variables: replace it
         if server is None or not server.alive() or server.loaded_with != _read_at_load(env):
             try:
                 server = _servers[thread] = _Server(env)
