@@ -41,7 +41,7 @@ def test_a_warm_agent_runs_in_its_folder_with_exactly_its_environment(workdir, w
     monkeypatch.setenv("LABKIT_NOT_PASSED", "the kernel's")
     started = forked.start(_torchrun("show.py"), _env(LABKIT_GIVEN="yes"), workdir / "agent.log")
     assert isinstance(started, forked.ForkedAgent)
-    server = forked._servers[threading.get_ident()]
+    server = forked._servers[forked._key()]
     assert psutil.Process(started.pid).ppid() == server.proc.pid
     assert started.wait(120) == 0
     log = (workdir / "agent.log").read_text()
@@ -86,7 +86,7 @@ def test_a_dead_server_is_replaced_and_each_thread_has_its_own(workdir, write_sc
     write_script("ok.py", "print('ok')\n")
     first = forked.start(_torchrun("ok.py"), _env(), workdir / "a.log")
     assert first.wait(120) == 0
-    server = forked._servers[threading.get_ident()]
+    server = forked._servers[forked._key()]
     server.proc.kill()
     server.proc.wait()
     again = forked.start(_torchrun("ok.py"), _env(), workdir / "b.log")
@@ -160,3 +160,10 @@ def test_an_interrupt_while_waiting_for_the_server_takes_the_server_down(workdir
     with pytest.raises(KeyboardInterrupt):
         server.start(["--standalone", "--nproc-per-node=1", "x.py"], dict(os.environ), workdir / "a.log")
     assert not server.alive()
+
+
+def test_a_forked_process_does_not_use_its_parents_server(monkeypatch):
+    """Its replies would go to the parent's reader: the key holds the pid."""
+    key = forked._key()
+    monkeypatch.setattr(os, "getpid", lambda: -1)
+    assert forked._key() != key and forked._key()[1] == key[1]

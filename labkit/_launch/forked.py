@@ -7,9 +7,10 @@ The server started by fork is the same agent, torchrun run in-process, that dies
 launcher; it skips the second or two of ``import torch`` an agent pays before torchrun
 starts. The ranks are started by torchrun as ever, each a new ``python`` process.
 
-One server per launching thread: Linux kills the server when the thread that started it
-ends (the parent-death signal follows the thread), so a thread never uses another's. A
-server that died is replaced at the next launch.
+One server per launching thread of a process: Linux kills the server when the thread that
+started it ends (the parent-death signal follows the thread), so a thread never uses
+another's, nor a forked process its parent's. A server that died is replaced at the next
+launch.
 
 What Python and torch read from the environment as they load (``PYTHONPATH``,
 ``TORCH_CPP_LOG_LEVEL``, torchrun's ``LOGLEVEL``, ...) the server read once, when it started.
@@ -43,8 +44,14 @@ _READ_LATER = ("TORCH_FR_", "TORCH_NCCL_", "TORCHELASTIC_", "TORCH_DISTRIBUTED_D
 #: imported torch (seconds; on a cold disk, the first time, tens of seconds).
 _ANSWER_S = 300.0
 
-_servers: dict[int, "_Server"] = {}
+_servers: dict[tuple[int, int], "_Server"] = {}
 _lock = threading.Lock()
+
+
+def _key() -> tuple[int, int]:
+    """This thread's server's key: a process forked from this one (the pid tells) must not
+    write to its parent's server, whose replies its parent reads."""
+    return os.getpid(), threading.get_ident()
 
 
 class _Server:
@@ -170,16 +177,16 @@ def start(argv: list[str], env: dict | None, log) -> "ForkedAgent | None":
     if not sys.platform.startswith("linux") or argv[1:3] != ["-m", "labkit._rank.agent"]:
         return None
     env = dict(os.environ if env is None else env)
-    thread = threading.get_ident()
+    key = _key()
     with _lock:
-        server = _servers.get(thread)
+        server = _servers.get(key)
         if server is not None and server.alive() and server.loaded_with != _read_at_load(env):
             if server.running:
                 return None
             server.close()   # idle, and loaded with other variables: replace it
         if server is None or not server.alive() or server.loaded_with != _read_at_load(env):
             try:
-                server = _servers[thread] = _Server(env)
+                server = _servers[key] = _Server(env)
             except OSError:
                 return None
     pid = server.start(argv[3:], env, log)
