@@ -91,13 +91,36 @@ def test_a_checkpoint_written_but_not_yet_logged_when_the_round_was_stopped_is_r
     assert written.check_resume_points(ckpt_every=5) is written  # where it went on from is right
     beyond = labkit.elastic_resumes(_drill(tmp_path, reached=9, lose_rank1_after=9, resumed_from=10, name="beyond"),
                                     tol=1e-6)
-    with pytest.raises(AssertionError, match=r"resumed from step 10, but the round before had saved step 5 "
-                                             r"\(and reached step 9\): it read the wrong checkpoint"):
+    with pytest.raises(AssertionError, match=r"resumed from step 10, but the last checkpoint saved before it was step 5 "
+                                             r"\(and the round before reached step 9\): it read the wrong checkpoint"):
         beyond.check(ckpt_every=5)
 
 
+def test_a_round_too_short_to_save_a_checkpoint_leaves_the_one_before_to_resume_from(tmp_path):
+    """Node 2 joins before the survivor's round reaches its first checkpoint (a fast join, as
+    lesson 10's at 4 ranks saw): the round after goes on from round 0's checkpoint, the last one
+    on disk, and that is right. Going on from an older one is still named."""
+    t = 1000.0
+    first = [dict(step=s, world_size=2, restart=0, time=t + s, loss=1.0 / s) for s in range(1, 8)]
+    first += [dict(step=5, world_size=2, restart=0, time=t + 5.1, checkpoint_saved=5)]
+    alone = [dict(step=5, world_size=1, restart=1, time=t + 20, resumed_from=5)]
+    alone += [dict(step=s, world_size=1, restart=1, time=t + 20 + s, loss=1.0 / s) for s in range(6, 9)]
+    again = [dict(step=5, world_size=2, restart=1, time=t + 40, resumed_from=5)]
+    again += [dict(step=s, world_size=2, restart=1, time=t + 40 + s, loss=1.0 / s) for s in range(6, 13)]
+    rank1 = [dict(r, time=r["time"] + 0.01) for r in first + again if "loss" in r]
+    run = _run(tmp_path, {0: first + alone + again, 1: rank1})
+    resumes = labkit.elastic_resumes(run, tol=1e-6).check(ckpt_every=5)
+    assert resumes.table["saved_before"].tolist()[1:] == [5, 5]
+    assert resumes.table.iloc[2]["redone"] == [6, 7, 8]
+    older = [dict(r, resumed_from=3) if "resumed_from" in r else r for r in again]
+    run = _run(tmp_path, {0: first + alone + older, 1: rank1}, name="older")
+    with pytest.raises(AssertionError, match=r"round 2 .* resumed from step 3, but the last checkpoint saved "
+                                             r"before it was step 5"):
+        labkit.elastic_resumes(run, tol=1e-6).check_resume_points(ckpt_every=5)
+
+
 def test_an_older_checkpoint_is_named(tmp_path):
-    with pytest.raises(AssertionError, match=r"resumed from step 3, but the round before had saved step 5"):
+    with pytest.raises(AssertionError, match=r"resumed from step 3, but the last checkpoint saved before it was step 5"):
         labkit.elastic_resumes(_drill(tmp_path, resumed_from=3), tol=1e-4).check(ckpt_every=5)
 
 
@@ -139,7 +162,7 @@ def test_the_resume_points_alone_pass_other_losses_and_fail_a_wrong_checkpoint(t
     other = labkit.elastic_resumes(_drill(tmp_path, redo_loss=2.3), tol=1e-4)
     assert other.check_resume_points(ckpt_every=5) is other
     older = labkit.elastic_resumes(_drill(tmp_path, resumed_from=3, name="older"), tol=1e-4)
-    with pytest.raises(AssertionError, match=r"resumed from step 3, but the round before had saved step 5"):
+    with pytest.raises(AssertionError, match=r"resumed from step 3, but the last checkpoint saved before it was step 5"):
         older.check_resume_points(ckpt_every=5)
     first = [dict(step=s, world_size=2, restart=0, time=1000.0 + s, loss=1.0) for s in range(1, 7)]
     skipped = _run(tmp_path, {0: first + [dict(step=5, world_size=2, restart=0, time=1005.1, checkpoint_saved=5),

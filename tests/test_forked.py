@@ -151,7 +151,7 @@ def test_an_agent_that_died_with_its_server_reads_as_killed():
 def test_an_interrupt_while_waiting_for_the_server_takes_the_server_down(workdir, monkeypatch):
     """Ctrl-C before the server said which agent it started: the server dies, so that no agent
     it forks later runs unwatched."""
-    server = forked._Server(dict(os.environ))
+    server = forked._Server(sys.executable, dict(os.environ))
 
     def interrupted(timeout_s=0.0):
         raise KeyboardInterrupt

@@ -14,8 +14,8 @@ launch.
 
 What Python and torch read from the environment as they load (``PYTHONPATH``,
 ``TORCH_CPP_LOG_LEVEL``, torchrun's ``LOGLEVEL``, ...) the server read once, when it started.
-So it starts with the environment of the agent it is first asked for, and an agent whose
-variables of that kind differ gets a server of its own (or, while the thread's server still
+So it starts with the Python and environment of the agent it is first asked for, and an agent
+whose Python or variables of that kind differ gets a server of its own (or, while the thread's server still
 has agents running, a plain process). The ranks read everything afresh, as ever.
 
 Imported by the launcher only.
@@ -57,9 +57,9 @@ def _key() -> tuple[int, int]:
 class _Server:
     """One ``python -m labkit._rank.agent_server`` and what it has said."""
 
-    def __init__(self, env: dict):
-        self.loaded_with = _read_at_load(env)
-        self.proc = subprocess.Popen([sys.executable, "-m", "labkit._rank.agent_server"],
+    def __init__(self, python: str, env: dict):
+        self.loaded_with = _loaded_with(python, env)
+        self.proc = subprocess.Popen([python, "-m", "labkit._rank.agent_server"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      start_new_session=True)
         self.running: set[int] = set()   # agents it started that have not been seen to end
@@ -159,8 +159,9 @@ class ForkedAgent:
         self.send_signal(signal.SIGKILL)
 
 
-def _read_at_load(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(_READ_AT_LOAD) and not k.startswith(_READ_LATER)}
+def _loaded_with(python: str, env: dict) -> tuple[str, dict]:
+    """The Python an agent runs, and the variables it reads as it loads."""
+    return python, {k: v for k, v in env.items() if k.startswith(_READ_AT_LOAD) and not k.startswith(_READ_LATER)}
 
 
 def start(argv: list[str], env: dict | None, log) -> "ForkedAgent | None":
@@ -177,16 +178,16 @@ def start(argv: list[str], env: dict | None, log) -> "ForkedAgent | None":
     if not sys.platform.startswith("linux") or argv[1:3] != ["-m", "labkit._rank.agent"]:
         return None
     env = dict(os.environ if env is None else env)
-    key = _key()
+    key, loaded_with = _key(), _loaded_with(argv[0], env)
     with _lock:
         server = _servers.get(key)
-        if server is not None and server.alive() and server.loaded_with != _read_at_load(env):
+        if server is not None and server.alive() and server.loaded_with != loaded_with:
             if server.running:
                 return None
-            server.close()   # idle, and loaded with other variables: replace it
-        if server is None or not server.alive() or server.loaded_with != _read_at_load(env):
+            server.close()   # idle, and loaded with another Python or other variables: replace it
+        if server is None or not server.alive() or server.loaded_with != loaded_with:
             try:
-                server = _servers[key] = _Server(env)
+                server = _servers[key] = _Server(argv[0], env)
             except OSError:
                 return None
     pid = server.start(argv[3:], env, log)

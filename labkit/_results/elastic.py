@@ -94,7 +94,8 @@ class Resumes:
 
     ``labkit.elastic_resumes(run, tol=...)`` makes one. ``table`` has a row per round: ``round``,
     ``world_size``, ``restart`` (the highest restart count torchrun gave its ranks),
-    ``resumed_from``, ``saved_before`` (the last checkpoint the round before logged as saved),
+    ``resumed_from``, ``saved_before`` (the last checkpoint logged as saved before the round
+    began: by the round before, or by an earlier one when that round was too short to save any),
     ``reached_before`` (the last step it trained), ``first_step``, ``redone`` (the steps the
     round before had already trained), ``compared`` (how many of them
     both rounds logged in full) and ``max_gap`` (the largest loss difference among those).
@@ -148,14 +149,14 @@ class Resumes:
             assert not pd.isna(row.resumed_from), f"{where} did not resume from a checkpoint"
             saved, reached = row.saved_before, row.reached_before
             assert not pd.isna(saved), (
-                f"{where} resumed from step {row.resumed_from}, but the round before logged no checkpoint")
+                f"{where} resumed from step {row.resumed_from}, but no round before it logged a checkpoint")
             # A round stopped between writing a checkpoint and logging that it did has one more on
             # disk than its lines say: the next one, at a step it reached, is as good to go on from.
             written = row.resumed_from == saved + ckpt_every and not pd.isna(reached) and row.resumed_from <= reached
             assert row.resumed_from == saved or written, (
-                f"{where} resumed from step {row.resumed_from}, but the round before had saved step {saved} "
-                f"(and reached step {reached}): it read {'an older' if row.resumed_from < saved else 'the wrong'} "
-                f"checkpoint")
+                f"{where} resumed from step {row.resumed_from}, but the last checkpoint saved before it was "
+                f"step {saved} (and the round before reached step {reached}): it read "
+                f"{'an older' if row.resumed_from < saved else 'the wrong'} checkpoint")
             assert row.first_step == row.resumed_from + 1, (
                 f"{where} resumed from step {row.resumed_from} but trained first step "
                 f"{row.first_step}: steps were skipped")
@@ -190,7 +191,7 @@ def elastic_resumes(run, *, tol: float) -> Resumes:
     df = run.metrics()
     df = df.assign(round=_assign_rounds(df))
     restarts = df.groupby("round")["restart"].max() if "restart" in df else {}
-    rows, previous = [], None
+    rows, previous, saved = [], None, None
     for row in rounds.itertuples():
         redone, gaps = [], []
         if previous is not None and not pd.isna(row.resumed_from) and not pd.isna(previous.last_step):
@@ -200,11 +201,13 @@ def elastic_resumes(run, *, tol: float) -> Resumes:
         rows.append({"round": row.round, "world_size": row.world_size,
                      "restart": int(restarts.get(row.round, 0)),
                      "resumed_from": row.resumed_from,
-                     "saved_before": None if previous is None else previous.last_checkpoint,
+                     "saved_before": saved,
                      "reached_before": None if previous is None else previous.last_step,
                      "first_step": row.first_step, "redone": redone, "compared": len(gaps),
                      "max_gap": max(gaps) if gaps else float("nan")})
         previous = row
+        if not pd.isna(row.last_checkpoint):  # a round that saved none leaves the one before in place
+            saved = row.last_checkpoint
     table = pd.DataFrame(rows).astype({"resumed_from": "Int64", "saved_before": "Int64", "reached_before": "Int64",
                                        "first_step": "Int64"})
     return Resumes(table, set(losses.index.get_level_values("step")), tol)
