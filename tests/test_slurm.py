@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slurm
 
 TINY = ["--synthetic", "--train-size", "256", "--batch-size", "16", "--width", "8",
         "--log-every", "2", "--workers", "0"]
+REQUEUE_EPOCHS = 30   # 8 steps each at 2 ranks
 
 
 def nothing_left(folder: Path, timeout: float = 20.0) -> list[tuple[int, str]]:
@@ -71,7 +72,9 @@ def test_usr1_requeues_the_job_and_it_resumes_from_its_checkpoint(slurm_cluster,
     """What --signal=B:USR1@120 does near the time limit, sent at once with scancel: the trap
     requeues the job, Slurm ends it with SIGTERM, every rank stops after one step and saves it
     (the only checkpoint: --ckpt-every is far away), and the requeued job resumes from it."""
-    args = TINY + ["--epochs", "3", "--ckpt-every", "1000", "--out-dir", "out/requeue"]
+    # Enough epochs that the job cannot end before the signal lands (3 epochs, 24 steps, once
+    # took under a second here, and the job had finished when USR1 came).
+    args = TINY + ["--epochs", str(REQUEUE_EPOCHS), "--ckpt-every", "1000", "--out-dir", "out/requeue"]
     result = {}
     worker = threading.Thread(target=lambda: result.update(run=labkit.sbatch(
         "scripts/09_job.sbatch", nodes=2, args=args, timeout_s=400, quiet=True)))
@@ -103,7 +106,7 @@ def test_usr1_requeues_the_job_and_it_resumes_from_its_checkpoint(slurm_cluster,
     steps = steps[steps["rank"] == 0]["step"].tolist()
     # Every step up to the checkpoint once, then on to the end; nothing done twice: the
     # checkpoint was the very step the ranks stopped after.
-    assert steps == list(range(2, 3 * (256 // (16 * 2)) + 1, 2)), steps
+    assert steps == list(range(2, REQUEUE_EPOCHS * (256 // (16 * 2)) + 1, 2)), steps
     assert not nothing_left(lesson)
 
 
