@@ -51,7 +51,8 @@ def serve() -> None:
     running: set[int] = set()
     buffered = b""
     while True:
-        ready, _, _ = select.select([requests], [], [], _REAP_S)
+        # Looks for ended agents while some run; idle, it sleeps until a request comes.
+        ready, _, _ = select.select([requests], [], [], _REAP_S if running else None)
         _reap(running, replies)
         if not ready:
             continue
