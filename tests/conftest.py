@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from labkit._launch.failures import HEAP_CORRUPTED
+from labkit._rank import zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,15 +122,17 @@ def write_script(workdir):
 
 
 def entry_processes(under: Path | None = None) -> list[str]:
-    """Command lines of labkit rank processes still running on this machine.
+    """Command lines of labkit rank processes still running on this machine: started by
+    torchrun (``python -u -m labkit._rank.entry``) or forked by an agent's zygote (named
+    ``labkit-rank``; its command line is the agent's).
 
     ``under``: only those whose working folder lies there (this test session's temporary
     folder), so that a notebook a developer runs beside the tests does not count.
     """
     found = []
-    for proc in psutil.process_iter(["cmdline", "cwd"]):
+    for proc in psutil.process_iter(["cmdline", "cwd", "name"]):
         args = proc.info["cmdline"] or []
-        if "labkit._rank.entry" not in args:
+        if "labkit._rank.entry" not in args and proc.info["name"] != zygote.RANK_NAME:
             continue
         if under is not None:
             cwd = proc.info["cwd"]  # None: gone already, or not ours to read

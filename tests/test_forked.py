@@ -158,7 +158,8 @@ def test_an_interrupt_while_waiting_for_the_server_takes_the_server_down(workdir
 
     monkeypatch.setattr(server, "read", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        server.start(["--standalone", "--nproc-per-node=1", "x.py"], dict(os.environ), workdir / "a.log")
+        server.start({"argv": ["--standalone", "--nproc-per-node=1", "x.py"], "env": dict(os.environ),
+                      "cwd": str(workdir), "stdout": str(workdir / "a.log"), "stderr": str(workdir / "a.log")})
     assert not server.alive()
 
 

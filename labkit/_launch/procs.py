@@ -17,6 +17,7 @@ import psutil
 
 from labkit import _rundir
 from labkit._rank import proc
+from labkit._rank.zygote import NAME as zygote_name
 
 #: Seconds a process may seem to have started after the pid file that names it was written
 #: (the file's time and the process's start time come from two clocks).
@@ -24,16 +25,25 @@ _CLOCK_SLACK_S = 2.0
 
 
 def children(pid: int) -> list[int]:
-    """The pids whose parent is ``pid`` (none when it is gone).
+    """The pids whose parent is ``pid`` (none when it is gone); for an agent's zygote
+    (``labkit._rank.zygote``), the ranks it forked in its place.
 
     Example (an elastic run's node killed whole: its agent and the ranks it started)::
 
         ranks = children(agent.pid)
     """
     try:
-        return [child.pid for child in psutil.Process(pid).children()]
+        kids = psutil.Process(pid).children()
     except psutil.Error:
         return []
+    found = []
+    for kid in kids:
+        try:
+            zygote = kid.name() == zygote_name
+        except psutil.Error:
+            continue
+        found.extend(children(kid.pid) if zygote else [kid.pid])
+    return found
 
 
 def running(pid: int) -> bool:

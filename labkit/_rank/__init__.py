@@ -7,6 +7,8 @@ Owns:
     agent      a torchrun agent that dies with its kernel (``python -m labkit._rank.agent``)
     agent_server  one per launching kernel: imports torch once, then forks each agent warm
                (``python -m labkit._rank.agent_server``; Linux)
+    zygote     one per agent: a copy of it, torch loaded, that forks each of its ranks warm
+    forkserver both servers' protocol: fork on request, report each exit; the asking side
     proc       process tokens: is a pid still the process it was (the launcher, a rank)?
     layout     which node and local rank a rank is, written to the run folder (several nodes)
     selftest   the tiny all-reduce script ``labkit.doctor(launch=True)`` launches (a script,

@@ -13,7 +13,8 @@ then ``os._exit``, without the interpreter's teardown of everything torch loaded
 cores a bare 2-rank launch took 3.9 s instead of 4.65, and 5.1 s of CPU instead of 5.8
 (medians of 8 runs each way). On Linux the launcher forks each agent warm, torch already
 loaded, from ``labkit._rank.agent_server``, which calls ``main`` here: 2.05 s instead of
-3.97 (medians of 5 launches each way).
+3.97 (medians of 5 launches each way). Before torchrun runs, ``main`` forks the agent's
+zygote (``labkit._rank.zygote``), from which torchrun's ranks are then forked warm as well.
 (It runs torchrun in-process rather than ``os.execv`` into it because that teardown can only
 be skipped from inside.)
 
@@ -56,16 +57,24 @@ def main(argv: list[str]) -> None:
     launcher = os.environ.get(proc.LAUNCHER_PID_ENV)
     if launcher and not proc.is_same_process(int(launcher), os.environ.get(proc.LAUNCHER_TOKEN_ENV) or None):
         os._exit(1)  # the launcher died before the request above was made
+    from labkit._rank import zygote
+
+    zygote.install()
     proc.leave(_torchrun(argv))
 
 
 def _torchrun(argv: list[str]) -> int:
-    """Run ``python -m torch.distributed.run ARGV`` in this process; return its exit status as
-    Python would give it (an uncaught exception, e.g. torchrun's ChildFailedError, is printed
-    with its traceback and gives 1)."""
+    """Run ``python -m torch.distributed.run ARGV`` in this process (see ``run_as_main``)."""
     sys.argv = [sys.argv[0], *argv]  # run_module puts the module's path in front, as -m does
+    return run_as_main("torch.distributed.run")
+
+
+def run_as_main(module: str) -> int:
+    """Run ``module`` as ``python -m MODULE`` would, with ``sys.argv[1:]``, in this process;
+    return its exit status as Python would give it (an uncaught exception, e.g. torchrun's
+    ChildFailedError, is printed with its traceback and gives 1)."""
     try:
-        runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         return proc.exit_code(exc.code)
     except BaseException:  # noqa: BLE001 - what Python does with any uncaught exception
