@@ -49,6 +49,16 @@ def test_a_warm_agent_runs_in_its_folder_with_exactly_its_environment(workdir, w
 
 
 @pytest.mark.launch
+def test_a_started_agent_already_leads_its_session(workdir, write_script):
+    """As Popen(start_new_session=True) returns only after the child's setsid: a killpg(pid)
+    at once (torchrun's way to stop a rank) finds the group."""
+    write_script("ok.py", "print('ok')\n")
+    started = forked.start(_torchrun("ok.py"), _env(), workdir / "agent.log")
+    assert os.getpgid(started.pid) == started.pid and os.getsid(started.pid) == started.pid
+    assert started.wait(120) == 0
+
+
+@pytest.mark.launch
 def test_its_exit_status_is_the_plain_agents(workdir, write_script):
     """A failing rank: torchrun's status (1, ChildFailedError's traceback in the log), as the
     agent started cold gives it."""
@@ -123,6 +133,9 @@ def test_what_torch_reads_as_it_loads_gets_a_server_loaded_with_it(workdir, writ
     again = forked.start(_torchrun("ok.py"), _env(LOGLEVEL="INFO", TORCH_FR_DUMP_TEMP_FILE="x"),
                          workdir / "again.log")
     assert again.wait(120) == 0 and again.server is loud.server   # read later: same server
+    threads = forked.start(_torchrun("ok.py"), _env(LOGLEVEL="INFO", OMP_NUM_THREADS="3"),
+                           workdir / "threads.log")
+    assert threads.wait(120) == 0 and threads.server is loud.server   # each rank gets it
 
 
 def test_no_server_where_it_cannot_fork_warm(monkeypatch):

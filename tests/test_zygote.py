@@ -84,6 +84,7 @@ def test_only_the_same_rank_is_forked(monkeypatch):
     assert z.rank(rank, dict(env, PYTHONPATH="/elsewhere"), None, None) is None
     assert z.rank(rank, dict(env, TORCH_CPP_LOG_LEVEL="INFO"), None, None) is None
     assert z.rank(rank, dict(env, OMP_NUM_THREADS="four"), None, None) is None
+    assert z.rank(rank, dict(env, OMP_NUM_THREADS="0"), None, None) is None
     assert z.rank(rank, dict(env, TORCH_DISTRIBUTED_DEBUG="DETAIL"), None, None) is None
 
 
@@ -136,3 +137,18 @@ def test_ranks_end_with_their_agent(workdir, write_script):
     started.wait(10)
     gone, alive = psutil.wait_procs([*ranks, *zygotes], timeout=10)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+
+
+@pytest.mark.launch
+def test_each_launch_gets_its_own_thread_count_from_the_same_servers(workdir, write_script, capsys):
+    """labkit sets OMP_NUM_THREADS for every launch; OpenMP read the server's value as torch
+    loaded, so the zygote gives each forked rank the launch's count."""
+    write_script("threads.py", """
+        import os, torch
+        parent = open(f"/proc/{os.getppid()}/comm").read().strip()
+        print("threads", torch.get_num_threads(), os.environ["OMP_NUM_THREADS"], parent)
+    """)
+    for count in (2, 1, 2):
+        labkit.launch("threads.py", nproc=1, threads_per_rank=count)
+        out = capsys.readouterr().out
+        assert f"threads {count} {count} {zygote.NAME}" in out, out

@@ -103,12 +103,18 @@ def _fork(request: dict, private: tuple[int, ...], run: Callable[[dict], int]) -
     """Start one child; return its pid. The child never returns here."""
     sys.stdout.flush()
     sys.stderr.flush()
+    led, leads = os.pipe()
     pid = os.fork()
-    if pid:
+    if pid:  # answer once the child leads its session, as Popen(start_new_session=True) returns:
+        os.close(leads)  # a killpg(pid) from the asker at once must find the group
+        os.read(led, 1)
+        os.close(led)
         return pid
     code = 1
     try:
         os.setsid()
+        os.close(leads)
+        os.close(led)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         for fd, path in ((1, request.get("stdout")), (2, request.get("stderr"))):

@@ -13,8 +13,9 @@ The rank is the same one a new process would be. The zygote's child:
 - leads a session of its own, in the agent's folder, with exactly the environment torchrun
   gave it, its output in the files torchrun opened for it (stdout and stderr unbuffered, as
   ``-u`` makes them);
-- takes OpenMP's thread count from ``OMP_NUM_THREADS`` (torchrun sets it) with
-  ``torch.set_num_threads``, since OpenMP read it when the agent loaded;
+- takes OpenMP's thread count from ``OMP_NUM_THREADS`` (labkit sets it for every launch,
+  torchrun where it is unset) with ``torch.set_num_threads``, since OpenMP read it when the
+  agent (or its server) loaded;
 - draws a fresh seed for torch's default generator and for numpy's global one, as a new
   process does at start (``random`` does that itself after a fork), so that ranks drawing
   before any ``manual_seed`` draw different numbers, as they would;
@@ -94,8 +95,8 @@ class _Zygote(forkserver.Server):
         if args[:4] != [sys.executable, "-u", "-m", ENTRY] or _key(env) != self.loaded_with:
             return None
         threads = env.get("OMP_NUM_THREADS")
-        if threads != self.threads and not (threads or "").isdigit():
-            return None
+        if threads != self.threads and not ((threads or "").isdigit() and int(threads) > 0):
+            return None   # unset or not a count: a new process, so that OpenMP reads it as it would
         if not self.alive():
             return None
         return self.start({"args": args[4:], "env": env, "cwd": os.getcwd(),
