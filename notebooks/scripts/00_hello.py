@@ -34,13 +34,14 @@ if rank == 0:
 # Rank r reaches the collective r × 0.3 s late, so we can watch the others wait for it.
 ready = time.time()
 time.sleep(0.3 * rank)
-value = torch.tensor([float(rank)], device=device)
+value = torch.tensor([float(rank), 1.0], device=device)  # my rank number, and a 1 to count me
 arrive = time.time()
-dist.all_reduce(value)  # a collective: every rank must call it, and all get the sum
-total = value.item()    # .item() waits for the result (on a GPU the call only queues it)
+dist.all_reduce(value)  # a collective: every rank must call it, and all get the sums
+rank_sum, counted = value.tolist()  # waits for the result (on a GPU the call only queues it)
 leave = time.time()
-print(f"rank {rank}: the sum of all ranks is {total:.0f} "
+print(f"rank {rank}: the sum of all ranks is {rank_sum:.0f}, over {counted:.0f} ranks "
       f"(waited {leave - arrive:.2f} s in all_reduce)")
-metrics.log(0, rank_sum=total, pid=os.getpid(), ready=ready, arrive=arrive, leave=leave)
+metrics.log(0, rank_sum=rank_sum, counted=counted, pid=os.getpid(), ready=ready, arrive=arrive,
+            leave=leave)
 
 dist.destroy_process_group()
