@@ -97,4 +97,20 @@ for name, layer in layers.items():
         print(f"{name:>28}: largest gap " + ", ".join(f"{k} {v:.1e}" for k, v in found.items())
               + (f"\n{'':>30}(PyTorch warned: {said})" if said else ""))
 
+# Per-rank BatchNorm under DDP: how far each rank's running mean is from rank 0's, after a
+# training forward on its own slice, then after the first eval() forward that follows it.
+ddp_bn = DDP(nn.BatchNorm2d(args.channels).to(device),
+             device_ids=[local_rank] if device.type == "cuda" else None)
+spread = []
+for mode in ("train", "eval"):
+    ddp_bn.train(mode == "train")
+    with torch.set_grad_enabled(mode == "train"):
+        ddp_bn(x[mine])
+    running = ddp_bn.module.running_mean.clone()
+    rank0 = running.clone()
+    dist.broadcast(rank0, src=0)
+    spread.append((running - rank0).abs().max())
+spread = torch.stack(spread)
+dist.all_reduce(spread, op=dist.ReduceOp.MAX)  # the rank furthest from rank 0
+metrics.log(0, ddp_buffers_after_train=spread[0].item(), ddp_buffers_after_eval=spread[1].item())
 dist.destroy_process_group()
