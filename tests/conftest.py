@@ -143,6 +143,16 @@ def entry_processes(under: Path | None = None) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
+def no_figure_outlives_the_test():
+    """Close every matplotlib figure a test drew: pyplot keeps them open until closed, and a
+    worker that has run many plotting tests warns (and holds their memory)."""
+    yield
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        pyplot.close("all")
+
+
+@pytest.fixture(autouse=True)
 def no_rank_outlives_the_test(request, tmp_path_factory):
     """After every test, no rank process that a test started is left running (10 s of grace:
     the reliability bar is seconds). Scoped to this session's temporary folder."""
