@@ -17,7 +17,7 @@ import pytest
 import labkit
 from conftest import entry_processes
 from labkit._launch import procs
-from labkit._rank import zygote
+from labkit._rank import forkserver, zygote
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote forks on Linux only")
 
@@ -67,7 +67,7 @@ def test_only_the_same_rank_is_forked(monkeypatch):
     starts a new process (the zygote says None). OMP_NUM_THREADS is applied in the fork."""
     class Zygote(zygote._Zygote):
         def __init__(self):
-            self.loaded_with, self.threads = zygote._key(os.environ), os.environ.get("OMP_NUM_THREADS")
+            self.loaded_with, self.threads = forkserver.read_at_load(os.environ), os.environ.get("OMP_NUM_THREADS")
 
         def alive(self):
             return True

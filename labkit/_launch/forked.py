@@ -64,11 +64,8 @@ class _Server(forkserver.Server):
 
 
 def _loaded_with(python: str, env: dict) -> tuple[str, dict]:
-    """The Python an agent runs, and the variables it reads as it loads, less OMP_NUM_THREADS:
-    labkit sets it for each launch from its ranks (cores // ranks), and the agent's zygote
-    gives each rank its count (``labkit._rank.zygote``), so a launch of another size keeps the
-    server."""
-    return python, {k: v for k, v in forkserver.read_at_load(env).items() if k != "OMP_NUM_THREADS"}
+    """The Python an agent runs, and the variables it reads as it loads."""
+    return python, forkserver.read_at_load(env, agent=True)
 
 
 def start(argv: list[str], env: dict | None, log) -> "ForkedAgent | None":

@@ -43,10 +43,15 @@ def command(torchrun_argv: list[str]) -> list[str]:
 
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies (nothing elsewhere)."""
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+def prctl(option: int, value) -> None:
+    """Linux's ``prctl(option, value)`` for this process; nothing where there is none."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
         pass
 

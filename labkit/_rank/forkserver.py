@@ -40,24 +40,30 @@ from typing import Callable
 from labkit._rank import proc
 
 #: The variables that may be read as Python, torch and its OpenMP load (by prefix), less those
-#: known to be read only later, by the ranks or by torchrun as it runs (labkit sets some).
+#: known to be read only later, by the ranks or by torchrun as it runs (labkit sets some), and
+#: OMP_NUM_THREADS, which labkit sets per launch and a forked rank applies itself
+#: (``labkit._rank.zygote``). An agent reads TORCH_DISTRIBUTED_DEBUG later too; a rank's
+#: torch.distributed reads it as it loads.
 _READ_AT_LOAD = ("PYTHON", "TORCH", "LOGLEVEL", "LD_", "GLIBC_", "MALLOC_", "LANG", "LC_",
                  "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_")
-_READ_LATER = ("TORCH_FR_", "TORCH_NCCL_", "TORCHELASTIC_", "TORCH_DISTRIBUTED_DEBUG",
-               "TORCH_DIST_INIT_BARRIER", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+_READ_LATER = ("TORCH_FR_", "TORCH_NCCL_", "TORCHELASTIC_", "TORCH_DIST_INIT_BARRIER",
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS")
+_READ_LATER_BY_AGENTS = _READ_LATER + ("TORCH_DISTRIBUTED_DEBUG",)
 
 #: How often a server looks for children that have ended, while no request comes.
 _REAP_S = 0.02
 
 
-def read_at_load(env: dict, later: tuple[str, ...] = _READ_LATER) -> dict:
-    """The variables of ``env`` that Python or torch may have read as they loaded.
+def read_at_load(env: dict, agent: bool = False) -> dict:
+    """The variables of ``env`` that Python or torch may have read as they loaded, in a rank
+    (in an agent, with ``agent=True``).
 
     Example::
 
-        if read_at_load(request_env) != read_at_load(os.environ):
+        if read_at_load(rank_env) != read_at_load(loaded_env):
             ...  # a plain process: this server loaded with other values
     """
+    later = _READ_LATER_BY_AGENTS if agent else _READ_LATER
     return {k: v for k, v in env.items() if k.startswith(_READ_AT_LOAD) and not k.startswith(later)}
 
 

@@ -36,7 +36,6 @@ Standard library only (torch is loaded by the agent; ``install`` patches it when
 
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import signal
@@ -56,7 +55,7 @@ class _Zygote(forkserver.Server):
 
     def __init__(self):
         loaded = forkserver.loaded_env or os.environ   # the agent server's, for a warm agent
-        self.loaded_with = _key(loaded)
+        self.loaded_with = forkserver.read_at_load(loaded)
         self.threads = loaded.get("OMP_NUM_THREADS")
         to_zygote, requests = os.pipe()
         replies, from_zygote = os.pipe()
@@ -92,34 +91,18 @@ class _Zygote(forkserver.Server):
         """Fork the rank ``args`` (``[python, "-u", "-m", ENTRY, ...]``) with ``env``; None
         when it would not be the same rank as a new process (see the module's docstring)."""
         args = [str(a) for a in args]
-        if args[:4] != [sys.executable, "-u", "-m", ENTRY] or _key(env) != self.loaded_with:
+        if args[:4] != [sys.executable, "-u", "-m", ENTRY] or forkserver.read_at_load(env) != self.loaded_with:
             return None
         threads = env.get("OMP_NUM_THREADS")
         if threads != self.threads and not ((threads or "").isdigit() and int(threads) > 0):
             return None   # unset or not a count: a new process, so that OpenMP reads it as it would
-        if not self.alive():
-            return None
         return self.start({"args": args[4:], "env": env, "cwd": os.getcwd(),
                            "stdout": getattr(stdout, "name", None), "stderr": getattr(stderr, "name", None),
                            "threads": int(threads) if threads != self.threads else None})
 
 
-#: What a rank reads only after it loads (an agent reads TORCH_DISTRIBUTED_DEBUG later too; a
-#: rank's torch.distributed reads it as it loads).
-_RANK_READS_LATER = tuple(p for p in forkserver._READ_LATER if p != "TORCH_DISTRIBUTED_DEBUG")
-
-
-def _key(env) -> dict:
-    """What must equal for a fork to be the same rank: what torch loaded with in the agent (or
-    its server), less the thread count."""
-    return {k: v for k, v in forkserver.read_at_load(env, _RANK_READS_LATER).items() if k != "OMP_NUM_THREADS"}
-
-
 def _set_name(name: str) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    agent.prctl(_PR_SET_NAME, name.encode()[:15])
 
 
 def _rank(request: dict) -> int:
@@ -131,13 +114,11 @@ def _rank(request: dict) -> int:
                                errors=old.errors, write_through=True)
         setattr(sys, name, new)
         setattr(sys, f"__{name}__", new)
-    if request["threads"] is not None:
-        import torch
+    import torch  # loaded already: the zygote is a copy of a torchrun agent
 
+    if request["threads"] is not None:
         torch.set_num_threads(request["threads"])
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.default_generator.seed()   # a new process draws its own seed
+    torch.default_generator.seed()   # a new process draws its own seed
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()
